@@ -1,0 +1,27 @@
+"""The one thing a model reads besides its weights: what the runner prepared for this forward pass.
+
+A model never sees the scheduler, the allocator or the expert store; the `ModelRunner` fills a `ForwardContext`
+each step. Shape letters: T tokens this step, B requests, L decoder layers, E experts, P pages.
+"""
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class ForwardContext:
+    positions: torch.Tensor  # [T] int64, position of each token in its sequence
+    query_start_loc: torch.Tensor  # [B + 1] int32, where each request's tokens start in the batch
+    seq_lens: torch.Tensor  # [B] int32, tokens in the cache per request after this step
+    kv_page_tables: torch.Tensor  # [L, B, max pages] int32, KV page ids per layer and request (-1 unused)
+    slot_mappings: torch.Tensor  # [L, T] int64, page_id * page_tokens + offset for each new token per layer
+    expert_page_tables: torch.Tensor  # [L, E, 3] int32, (gate, up, down) page ids per layer (-1: not in the pool)
+    kv_view: torch.Tensor  # [P, 2, page_tokens, Hk, Dh] the pool seen as KV pages
+    expert_view: torch.Tensor  # [P, F * D] the pool seen as expert pages
+    logits_indices: torch.Tensor  # [B'] int64, tokens whose logits are wanted (last token of finished prefills)
+    # Called by each MoE layer after routing, before the expert kernel: (layer_idx, router_input [T, D],
+    # topk_ids [T, K]). The expert manager uses it to prefetch and to copy in routed experts that are not in
+    # the pool, updating `expert_page_tables` in place. None when every expert is resident.
+    on_routing: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None

@@ -1,0 +1,1 @@
+"""rimuru/memory"""
