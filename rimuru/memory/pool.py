@@ -1,0 +1,55 @@
+"""The one block of device memory that expert weights, KV, SSM and conv states share (DESIGN.md section 2).
+
+Owns the `uint8` tensor, allocated once, and the typed zero-copy views over it. Which page belongs to whom is the
+`PageAllocator`'s business, not the pool's.
+"""
+
+import math
+
+import torch
+
+from rimuru.memory.sizes import PageSizes
+
+
+class MemoryPool:
+    """`num_bytes` of `device` memory seen through views: `view(dtype).view(num_pages, *page_shape)`.
+
+    Every view starts at byte 0, so page id `i` of a view with stride `s` lies at byte `i * s`. Writing through
+    one view is visible through every other at once: views copy nothing.
+    """
+
+    def __init__(self, sizes: PageSizes, num_bytes: int, device: torch.device | str = "cpu"):
+        if num_bytes < sizes.huge_page_bytes:
+            raise ValueError(f"a pool of {num_bytes} B cannot hold one huge page of {sizes.huge_page_bytes} B")
+        self.sizes = sizes
+        self.num_bytes = num_bytes - num_bytes % sizes.huge_page_bytes  # the rest is reported as padding
+        self.data = torch.empty(self.num_bytes, dtype=torch.uint8, device=device)  # [bytes]
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def view(self, dtype: torch.dtype, page_stride: int, page_shape: tuple[int, ...]) -> torch.Tensor:
+        """[num_pages, *page_shape] over the whole pool; padding between pages (stride > payload) is skipped."""
+        elem = torch.empty((), dtype=dtype).element_size()
+        num_pages = self.num_bytes // page_stride
+        rows = self.data[: num_pages * page_stride].view(dtype).view(num_pages, page_stride // elem)
+        return rows[:, : math.prod(page_shape)].view(num_pages, *page_shape)
+
+    def expert_view(self) -> torch.Tensor:
+        """[P, F * D]: one expert matrix (gate, up or down) a page."""
+        s = self.sizes
+        return self.view(s.dtype, s.expert_page_bytes, s.expert_page_shape)
+
+    def kv_view(self) -> torch.Tensor:
+        """[P, 2, page_tokens, Hk, Dh]: K and V of one layer; every attention layer reads this same view."""
+        s = self.sizes
+        return self.view(s.dtype, s.kv_page_stride, s.kv_page_shape)
+
+    def ssm_view(self) -> torch.Tensor:
+        s = self.sizes
+        return self.view(s.dtype, s.ssm_page_stride, s.ssm_page_shape)
+
+    def conv_view(self) -> torch.Tensor:
+        s = self.sizes
+        return self.view(s.dtype, s.conv_page_stride, s.conv_page_shape)
