@@ -1,8 +1,50 @@
-"""Rimuru's ops: kernels over pool pages, each with a torch reference (`rimuru.ops.reference`).
+"""Rimuru's ops: Triton kernels over pool pages registered as `torch.ops.rimuru.*`, each with a torch reference
+(`rimuru.ops.reference`) that is also its CPU kernel.
 
-The model code calls only the functions exported here; on CPU they run the references.
+The model code calls only the functions exported here. They dispatch through `torch.library`: CPU tensors run
+the references, CUDA tensors the Triton kernels, and `torch.compile(fullgraph=True)` traces them through their
+fake implementations.
 """
 
-from rimuru.ops.reference import paged_attention, paged_moe, write_kv
+import torch
+
+import rimuru.ops.paged_attention  # noqa: F401  (registers rimuru::paged_attention)
+import rimuru.ops.paged_moe  # noqa: F401  (registers rimuru::paged_moe)
+import rimuru.ops.write_kv  # noqa: F401  (registers rimuru::write_kv)
+
+
+def paged_moe(
+    hidden: torch.Tensor,  # [T, D]
+    expert_view: torch.Tensor,  # [P, F * D]
+    page_table: torch.Tensor,  # [E, 3] int32: gate, up, down page ids
+    topk_ids: torch.Tensor,  # [T, K] int
+    topk_weights: torch.Tensor,  # [T, K] float32
+    num_features: int,  # F
+) -> torch.Tensor:  # [T, D]
+    """Routed-expert MLP over expert pages; see `rimuru.ops.reference.paged_moe`."""
+    return torch.ops.rimuru.paged_moe(hidden, expert_view, page_table, topk_ids, topk_weights, num_features)
+
+
+def write_kv(
+    key: torch.Tensor,  # [T, Hk, Dh]
+    value: torch.Tensor,  # [T, Hk, Dh]
+    kv_view: torch.Tensor,  # [P, 2, S, Hk, Dh], mutated
+    slot_mapping: torch.Tensor,  # [T] int: page_id * S + offset in page; < 0 skips the token
+) -> None:
+    """Store each token's K and V at its slot, in place; see `rimuru.ops.reference.write_kv`."""
+    torch.ops.rimuru.write_kv(key, value, kv_view, slot_mapping)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [T, Hq, Dh]
+    kv_view: torch.Tensor,  # [P, 2, S, Hk, Dh]
+    page_table: torch.Tensor,  # [B, max pages] int32
+    seq_lens: torch.Tensor,  # [B]
+    query_start_loc: torch.Tensor,  # [B + 1]
+    scale: float,
+) -> torch.Tensor:  # [T, Hq, Dh]
+    """Causal GQA attention over K/V pages; see `rimuru.ops.reference.paged_attention`."""
+    return torch.ops.rimuru.paged_attention(query, kv_view, page_table, seq_lens, query_start_loc, scale)
+
 
 __all__ = ["paged_attention", "paged_moe", "write_kv"]

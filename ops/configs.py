@@ -1,0 +1,44 @@
+"""Block sizes for the MoE kernels: tuned tables per GPU (`ops/configs/<GPU>.json`), else a heuristic.
+
+Owns the lookup only; `tools/tune_kernels.py` writes the tables. A table is keyed by "E=..,F=..,D=.." and then by
+the number of tokens M (the largest tuned M not above the call's M wins).
+"""
+
+import functools
+import json
+from pathlib import Path
+
+import torch
+
+CONFIG_DIR = Path(__file__).parent / "configs"
+
+
+def device_file_name(device_name: str) -> str:
+    return device_name.replace(" ", "_").replace("-", "_") + ".json"
+
+
+@functools.lru_cache(maxsize=None)
+def load_table(device_name: str) -> dict:
+    path = CONFIG_DIR / device_file_name(device_name)
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def heuristic_moe_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
+    """Small tiles for decode (the GEMMs are weight-bandwidth bound), large ones when experts hold many tokens."""
+    tokens_per_expert = num_tokens * top_k / num_experts
+    if tokens_per_expert <= 4:
+        return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
+    if tokens_per_expert <= 32:
+        return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+
+
+def moe_config(num_tokens: int, num_experts: int, num_features: int, hidden_size: int, top_k: int, device) -> dict:
+    """Tuned config for this GPU and shape if a table has one, else the heuristic."""
+    if torch.device(device).type == "cuda":
+        table = load_table(torch.cuda.get_device_name(device)).get(f"E={num_experts},F={num_features},D={hidden_size}")
+        if table:
+            tuned_m = [int(m) for m in table]
+            below = [m for m in tuned_m if m <= num_tokens]
+            return dict(table[str(max(below) if below else min(tuned_m))])
+    return heuristic_moe_config(num_tokens, num_experts, top_k)

@@ -1,0 +1,152 @@
+"""`rimuru::paged_attention`: causal GQA attention of a batch mixing prefill chunks and decode tokens over K/V pages.
+
+Owns one Triton kernel and its launcher; the reference is `rimuru.ops.reference.paged_attention`. Does not write
+the cache (`rimuru.ops.write_kv`).
+
+One program takes BLOCK_Q consecutive queries of one request and all GROUP query heads sharing one KV head, so
+each K/V tile is loaded once for BLOCK_M = BLOCK_Q * GROUP rows. Programs are numbered without a host sync:
+request b owns program ids from `query_start_loc[b] // BLOCK_Q + b` on, so T // BLOCK_Q + B programs always
+suffice; a program finds its request by binary search and exits when it has no queries.
+
+    rows of one program:  (q0,h0) (q0,h1) .. (q0,hG-1) (q1,h0) ..       query q sits at position ctx + q
+    K/V token n        ->  kv_view[page_table[b, n // S], 0 or 1, n % S, kv_head, :]   (through the view's strides)
+
+Performance: see docs/benchmarks/kernels.md (measured on an H200).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from rimuru.ops import reference
+
+LOG2_E = 1.4426950408889634
+
+
+@triton.jit
+def _find_request(p_query_start_loc, num_requests, i_q, BLOCK_Q: tl.constexpr):
+    lo, hi = 0, num_requests
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        first_block = tl.load(p_query_start_loc + mid) // BLOCK_Q + mid
+        if first_block <= i_q:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+@triton.jit
+def _paged_attention_kernel(
+    p_query, p_kv, p_page_table, p_seq_lens, p_query_start_loc, p_out,
+    num_requests, head_dim, scale_log2,
+    stride_qt, stride_qh, stride_ot, stride_oh,
+    stride_kv_page, stride_kv_kind, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+):
+    i_q, i_kh = tl.program_id(0), tl.program_id(1)
+    i_b = _find_request(p_query_start_loc, num_requests, i_q, BLOCK_Q)
+    q_start = tl.load(p_query_start_loc + i_b)
+    num_queries = tl.load(p_query_start_loc + i_b + 1) - q_start
+    q_first = (i_q - (q_start // BLOCK_Q + i_b)) * BLOCK_Q  # first query of this program, within the request
+    if q_first >= num_queries:
+        return
+    seq_len = tl.load(p_seq_lens + i_b)
+    context = seq_len - num_queries
+
+    o_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
+    o_q = q_first + o_m // GROUP_PAD  # [BM] query index within the request
+    o_h = i_kh * GROUP + o_m % GROUP_PAD  # [BM] query head
+    m_m = (o_q < num_queries) & (o_m % GROUP_PAD < GROUP)
+    o_d = tl.arange(0, HEAD_DIM_PAD)
+    m_d = o_d < head_dim
+    p_q = p_query + (q_start + o_q)[:, None] * stride_qt + o_h[:, None] * stride_qh + o_d[None, :]
+    b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, Dh]
+    q_pos = context + o_q  # [BM]
+
+    b_max = tl.full((BLOCK_Q * GROUP_PAD,), float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros((BLOCK_Q * GROUP_PAD,), dtype=tl.float32)
+    b_acc = tl.zeros((BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD), dtype=tl.float32)
+    kv_end = tl.minimum(seq_len, context + q_first + BLOCK_Q)  # causal: no later token is needed
+    p_kv_head = p_kv + i_kh * stride_kv_head + o_d[None, :] * stride_kv_dim
+    for n_start in range(0, kv_end, BLOCK_N):
+        o_n = n_start + tl.arange(0, BLOCK_N)
+        m_n = o_n < kv_end
+        b_page = tl.load(p_page_table + i_b * stride_table + o_n // PAGE_TOKENS, mask=m_n, other=0).to(tl.int64)
+        o_kv = b_page[:, None] * stride_kv_page + (o_n % PAGE_TOKENS)[:, None] * stride_kv_token  # [BN, 1]
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(p_kv_head + o_kv, mask=m_kv, other=0.0)  # [BN, Dh]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2  # [BM, BN], log2 units
+        m_s = m_n[None, :] & (o_n[None, :] <= q_pos[:, None])
+        b_s = tl.where(m_s, b_s, float("-inf"))
+        # NOTE: token 0 is visible to every row, so the first tile leaves no row at -inf (no NaN below).
+        b_new_max = tl.maximum(b_max, tl.max(b_s, 1))
+        b_p = tl.exp2(b_s - b_new_max[:, None])
+        b_alpha = tl.exp2(b_max - b_new_max)
+        b_v = tl.load(p_kv_head + o_kv + stride_kv_kind, mask=m_kv, other=0.0)  # [BN, Dh]
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
+        b_max = b_new_max
+    b_out = b_acc / b_sum[:, None]
+    p_o = p_out + (q_start + o_q)[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
+    tl.store(p_o, b_out.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
+
+
+def attention_config(num_tokens: int, num_requests: int, group: int) -> dict:
+    """Decode-only batches (T == B) take one query a program; prefill chunks take enough rows to fill a tile."""
+    rows = 16 if num_tokens <= num_requests else 64
+    group_pad = triton.next_power_of_2(group)
+    return {"BLOCK_Q": max(1, rows // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def paged_attention_triton(
+    query: torch.Tensor,  # [T, Hq, Dh]
+    kv_view: torch.Tensor,  # [P, 2, S, Hk, Dh], any strides
+    page_table: torch.Tensor,  # [B, max pages] int32
+    seq_lens: torch.Tensor,  # [B]
+    query_start_loc: torch.Tensor,  # [B + 1]
+    scale: float,
+    config: dict | None = None,
+) -> torch.Tensor:  # [T, Hq, Dh]
+    num_tokens, num_heads, head_dim = query.shape
+    _, _, page_tokens, num_kv_heads, _ = kv_view.shape
+    num_requests = seq_lens.shape[0]
+    out = torch.empty_like(query)
+    if num_tokens == 0 or num_requests == 0:
+        return out
+    assert query.stride(2) == 1, "query rows must be contiguous in the head dim"
+    group = num_heads // num_kv_heads
+    cfg = config or attention_config(num_tokens, num_requests, group)
+    grid = (num_tokens // cfg["BLOCK_Q"] + num_requests, num_kv_heads)
+    _paged_attention_kernel[grid](
+        query, kv_view, page_table, seq_lens, query_start_loc, out,
+        num_requests, head_dim, scale * LOG2_E,
+        query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_view.stride(), page_table.stride(0),
+        GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=cfg["BLOCK_Q"], BLOCK_N=cfg["BLOCK_N"],
+        PAGE_TOKENS=page_tokens, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return out
+
+
+@torch.library.custom_op("rimuru::paged_attention", mutates_args=(), device_types="cpu")
+def paged_attention(
+    query: torch.Tensor,
+    kv_view: torch.Tensor,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    query_start_loc: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    return reference.paged_attention(query, kv_view, page_table, seq_lens, query_start_loc, scale)
+
+
+@paged_attention.register_kernel("cuda")
+def _paged_attention_cuda(query, kv_view, page_table, seq_lens, query_start_loc, scale):
+    return paged_attention_triton(query, kv_view, page_table, seq_lens, query_start_loc, scale)
+
+
+@paged_attention.register_fake
+def _paged_attention_fake(query, kv_view, page_table, seq_lens, query_start_loc, scale):
+    return torch.empty_like(query)

@@ -1,0 +1,157 @@
+"""`rimuru::paged_moe`: the routed-expert MLP read straight from pool pages (DESIGN.md section 3).
+
+Owns two Triton kernels and their launcher. `_gate_up_kernel` computes, for one M tile of an expert's sorted
+tokens and one N tile of the F features, both the gate and the up tile (each from its own page: the two are never
+concatenated) and stores silu(gate) * up. `_down_kernel` multiplies that by the down page, scales each row by its
+router weight in fp32 and writes one row per (token, k); the sum over k is a torch reduction (deterministic, no
+atomics). Token sorting lives in `rimuru.ops.moe_align`; the reference is `rimuru.ops.reference.paged_moe`.
+
+Addresses inside the expert view (row stride `stride_page` >= F * D, so padded pools work):
+
+    gate/up element (n, k)  ->  base + page(e, 0 or 1) * stride_page + n * D + k      n < F, k < D
+    down    element (n, t)  ->  base + page(e, 2)      * stride_page + n * F + t      n < D, t < F
+
+Performance: see docs/benchmarks/kernels.md (measured on an H200).
+"""
+
+import torch
+import triton
+import triton.language as tl
+
+from rimuru.ops import reference
+from rimuru.ops.configs import moe_config
+from rimuru.ops.moe_align import align_tokens
+
+
+@triton.jit
+def _gate_up_kernel(
+    p_hidden, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_act,
+    num_pairs, num_features, hidden_size, stride_hidden, stride_page, stride_act,
+    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    if i_m * BLOCK_M >= tl.load(p_num_padded):
+        return
+    i_e = tl.load(p_block_expert + i_m).to(tl.int64)
+    b_pair = tl.load(p_sorted_ids + i_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM] flat (token, k) ids
+    m_m = b_pair < num_pairs
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < num_features
+    o_k = tl.arange(0, BLOCK_K)
+    p_a = p_hidden + (b_pair // TOP_K)[:, None] * stride_hidden + o_k[None, :]  # [BM, BK]
+    page_gate = tl.load(p_page_table + i_e * 3).to(tl.int64)
+    page_up = tl.load(p_page_table + i_e * 3 + 1).to(tl.int64)
+    o_w = o_n[None, :] * hidden_size + o_k[:, None]  # [BK, BN]: column n of the GEMM is row n of the page
+    p_g = p_experts + page_gate * stride_page + o_w
+    p_u = p_experts + page_up * stride_page + o_w
+    b_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    b_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
+        m_k = o_k < hidden_size - k * BLOCK_K
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        m_w = m_k[:, None] & m_n[None, :]
+        b_gate = tl.dot(b_a, tl.load(p_g, mask=m_w, other=0.0), b_gate)
+        b_up = tl.dot(b_a, tl.load(p_u, mask=m_w, other=0.0), b_up)
+        p_a += BLOCK_K
+        p_g += BLOCK_K
+        p_u += BLOCK_K
+    b_act = b_gate * tl.sigmoid(b_gate) * b_up
+    p_out = p_act + b_pair[:, None] * stride_act + o_n[None, :]
+    tl.store(p_out, b_act.to(p_act.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+@triton.jit
+def _down_kernel(
+    p_act, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_weights, p_out,
+    num_pairs, num_features, hidden_size, stride_act, stride_page, stride_out,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    if i_m * BLOCK_M >= tl.load(p_num_padded):
+        return
+    i_e = tl.load(p_block_expert + i_m).to(tl.int64)
+    b_pair = tl.load(p_sorted_ids + i_m * BLOCK_M + tl.arange(0, BLOCK_M))  # [BM]
+    m_m = b_pair < num_pairs
+    o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_n = o_n < hidden_size
+    o_k = tl.arange(0, BLOCK_K)
+    p_a = p_act + b_pair[:, None] * stride_act + o_k[None, :]  # [BM, BK]
+    page_down = tl.load(p_page_table + i_e * 3 + 2).to(tl.int64)
+    p_w = p_experts + page_down * stride_page + o_n[None, :] * num_features + o_k[:, None]  # [BK, BN]
+    b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k in range(0, tl.cdiv(num_features, BLOCK_K)):
+        m_k = o_k < num_features - k * BLOCK_K
+        b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0)
+        b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0)
+        b_acc = tl.dot(b_a, b_w, b_acc)
+        p_a += BLOCK_K
+        p_w += BLOCK_K
+    b_weight = tl.load(p_weights + b_pair, mask=m_m, other=0.0).to(tl.float32)  # router weights in fp32
+    b_acc = b_acc * b_weight[:, None]
+    p_y = p_out + b_pair[:, None] * stride_out + o_n[None, :]
+    tl.store(p_y, b_acc.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+
+
+def paged_moe_triton(
+    hidden: torch.Tensor,  # [T, D]
+    expert_view: torch.Tensor,  # [P, F * D], rows may be padded (stride(0) >= F * D)
+    page_table: torch.Tensor,  # [E, 3] int32
+    topk_ids: torch.Tensor,  # [T, K]
+    topk_weights: torch.Tensor,  # [T, K] float32
+    num_features: int,
+    config: dict | None = None,
+) -> torch.Tensor:  # [T, D]
+    """Launch the sort, the two GEMM kernels and the top-k sum; no host synchronisation."""
+    num_tokens, hidden_size = hidden.shape
+    num_experts, top_k = page_table.shape[0], topk_ids.shape[1]
+    assert expert_view.stride(1) == 1 and hidden.stride(1) == 1, "pages and hidden rows must be contiguous"
+    if num_tokens == 0:
+        return hidden.new_empty(0, hidden_size)
+    cfg = config or moe_config(num_tokens, num_experts, num_features, hidden_size, top_k, hidden.device)
+    block_m = cfg["BLOCK_M"]
+    sorted_ids, block_expert, num_padded = align_tokens(topk_ids, num_experts, block_m)
+    page_table = page_table.to(torch.int32).contiguous()
+    weights = topk_weights.to(torch.float32).contiguous()
+    num_pairs = num_tokens * top_k
+    act = torch.empty(num_pairs, num_features, dtype=hidden.dtype, device=hidden.device)  # [T * K, F]
+    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # [T * K, D]
+    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
+    grid = (block_expert.numel(), triton.cdiv(num_features, cfg["BLOCK_N"]))
+    _gate_up_kernel[grid](
+        hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act,
+        num_pairs, num_features, hidden_size, hidden.stride(0), expert_view.stride(0), act.stride(0),
+        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **launch,
+    )
+    down = {k[5:]: v for k, v in cfg.items() if k.startswith("DOWN_")}  # optional separate down tiles
+    grid = (block_expert.numel(), triton.cdiv(hidden_size, down.get("BLOCK_N", cfg["BLOCK_N"])))
+    _down_kernel[grid](
+        act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out,
+        num_pairs, num_features, hidden_size, act.stride(0), expert_view.stride(0), out.stride(0),
+        BLOCK_M=block_m, BLOCK_N=down.get("BLOCK_N", cfg["BLOCK_N"]), BLOCK_K=down.get("BLOCK_K", cfg["BLOCK_K"]),
+        num_warps=down.get("num_warps", launch["num_warps"]), num_stages=down.get("num_stages", launch["num_stages"]),
+    )
+    if top_k == 1:
+        return out
+    return out.view(num_tokens, top_k, hidden_size).sum(1)  # [T, D], fp32 accumulation inside the reduction
+
+
+@torch.library.custom_op("rimuru::paged_moe", mutates_args=(), device_types="cpu")
+def paged_moe(
+    hidden: torch.Tensor,
+    expert_view: torch.Tensor,
+    page_table: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    num_features: int,
+) -> torch.Tensor:
+    return reference.paged_moe(hidden, expert_view, page_table, topk_ids, topk_weights, num_features)
+
+
+@paged_moe.register_kernel("cuda")
+def _paged_moe_cuda(hidden, expert_view, page_table, topk_ids, topk_weights, num_features):
+    return paged_moe_triton(hidden, expert_view, page_table, topk_ids, topk_weights, num_features)
+
+
+@paged_moe.register_fake
+def _paged_moe_fake(hidden, expert_view, page_table, topk_ids, topk_weights, num_features):
+    return torch.empty_like(hidden, memory_format=torch.contiguous_format)

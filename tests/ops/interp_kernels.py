@@ -1,0 +1,87 @@
+"""`ref` vs `tri` for every Triton kernel, on CPU under the Triton interpreter, in fp32.
+
+Run by `test_interpreter.py` in a subprocess with TRITON_INTERPRET=1 (the variable is read when a kernel is
+decorated, so it must be set before `rimuru.ops` is first imported; a subprocess keeps it out of other tests).
+By hand: `TRITON_INTERPRET=1 python -m pytest tests/ops/interp_kernels.py`.
+"""
+
+import os
+
+import pytest
+import torch
+
+if os.environ.get("TRITON_INTERPRET") != "1":
+    pytest.skip("needs TRITON_INTERPRET=1 before triton kernels are defined", allow_module_level=True)
+
+from ops_cases import MIXED_BATCH, attention_case, moe_case  # noqa: E402
+
+from rimuru.ops import reference  # noqa: E402
+from rimuru.ops.moe_align import align_tokens  # noqa: E402
+from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
+from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
+from rimuru.ops.write_kv import write_kv_triton  # noqa: E402
+
+SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
+SHAPES = [(1, 4, 1), (1, 60, 4), (3, 4, 2), (3, 60, 4), (17, 4, 4), (17, 60, 2), (130, 4, 2), (130, 60, 4),
+          (130, 60, 1)]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", SHAPES)
+def test_paged_moe(num_tokens, num_experts, top_k):
+    case = moe_case(num_tokens, num_experts, top_k, num_features=40, hidden_size=72, seed=num_tokens + num_experts)
+    ref = reference.paged_moe(*case.args())
+    tri = paged_moe_triton(*case.args(), config=SMALL)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("block_m", [16, 32])
+def test_paged_moe_identity_and_tiles(block_m):
+    case = moe_case(33, 8, 2, num_features=40, hidden_size=72, identity=True)
+    ref = reference.paged_moe(*case.args())
+    cfg = {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1,
+           "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 32}
+    tri = paged_moe_triton(*case.args(), config=cfg)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
+@pytest.mark.parametrize("head_dim", [32, 24])
+def test_paged_attention_mixed(num_heads, num_kv_heads, head_dim):
+    case = attention_case(MIXED_BATCH, num_heads, num_kv_heads, head_dim, page_tokens=4, seed=head_dim)
+    ref = reference.paged_attention(*case.args())
+    tri = paged_attention_triton(*case.args(), config={"BLOCK_Q": 16 // (num_heads // num_kv_heads),
+                                                       "BLOCK_N": 16, "num_warps": 4, "num_stages": 1})
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_paged_attention_decode_only():
+    requests = [(0, 1), (15, 1), (40, 1), (3, 1)]
+    case = attention_case(requests, 8, 2, 32, page_tokens=8, seed=3)
+    ref = reference.paged_attention(*case.args())
+    tri = paged_attention_triton(*case.args())  # the launcher's own decode config
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_write_kv():
+    case = attention_case([(10, 0), (3, 0)], 4, 2, 24, page_tokens=4, spare_pages=6)
+    free = sorted(set(range(case.kv_view.shape[0])) - set(case.page_table.flatten().tolist()))
+    slots = torch.tensor([free[0] * 4 + 1, -1, free[2] * 4 + 3, free[1] * 4, -1], dtype=torch.int64)
+    key, value = torch.randn(2, 5, 2, 24).unbind(0)
+    pool_ref = case.kv_view.clone()
+    reference.write_kv(key, value, pool_ref, slots)
+    write_kv_triton(key, value, case.kv_view, slots)
+    torch.testing.assert_close(case.kv_view, pool_ref, equal_nan=True, rtol=0, atol=0)
+    base = case.kv_view._base  # the padding between pages stays untouched
+    assert torch.isnan(base[:, case.kv_view[0].numel():]).all()
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (8, 128, 16), (520, 60, 32)])
+def test_align_tokens_layout(num_pairs, num_experts, block_m):
+    topk_ids = torch.randint(0, num_experts, (num_pairs, 1))
+    sorted_ids, block_expert, num_padded = align_tokens(topk_ids, num_experts, block_m)
+    rows = sorted_ids[: int(num_padded)]
+    real = rows[rows < num_pairs]
+    assert sorted(real.tolist()) == list(range(num_pairs))  # every pair exactly once
+    experts_of_rows = block_expert.repeat_interleave(block_m)[: int(num_padded)]
+    assert (experts_of_rows[rows < num_pairs] == topk_ids.flatten()[real]).all()
+    assert (block_expert[int(num_padded) // block_m:] == num_experts).all()
