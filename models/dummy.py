@@ -1,0 +1,68 @@
+"""Random weights from a config alone (`load_format="dummy"`), for full-size benchmarks without a checkpoint.
+
+Non-expert weights are generated on the target device; routed experts are generated there chunk by chunk too
+(fast on a GPU) and copied to host memory, where the expert store expects them. Deterministic for a seed.
+
+`router_skew` (s >= 0) makes expert popularity follow a Zipf-like law, deterministically:
+  * dimension 0 of the residual stream becomes a constant "sink": every embedding row holds `4 * sqrt(D)` there,
+    and no layer writes to it (row 0 of every `o_proj` and down projection, dense, shared or routed, is zero;
+    column 0 of `lm_head` is zero so the sink does not bias the vocabulary);
+  * each MoE layer draws a random ranking of its experts (`rank[e]`, 0 = most popular) and sets router column 0
+    to `-s * log(rank[e] + 1) / sqrt(D)`.
+  After the RMSNorm the sink coordinate is close to sqrt(D) while it dominates the residual, so expert e's router
+  logit gets about `-s * log(rank[e] + 1)`: its odds against the favourite fall like `(rank + 1) ** -s`. Deeper
+  layers see a larger residual, a smaller sink coordinate and so a milder skew. s = 0 leaves the weights i.i.d.
+"""
+
+import math
+
+import torch
+
+from rimuru.models.checkpoint import ExpertWeights
+from rimuru.models.config import ModelConfig
+
+
+def dummy_state(model: torch.nn.Module, config: ModelConfig, device, dtype, seed: int) -> dict[str, torch.Tensor]:
+    """Normal(0, initializer_range) for matrices and biases, ones for norms; tied weights appear once."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    state = {}
+    for name, param in model.named_parameters():
+        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+        if name.endswith("norm.weight"):
+            tensor.fill_(1.0)
+        else:
+            tensor.normal_(0.0, config.initializer_range, generator=gen)
+        state[name] = tensor
+    return state
+
+
+def dummy_experts(config: ModelConfig, device, dtype, seed: int) -> dict[int, ExpertWeights]:
+    gen = torch.Generator(device=device).manual_seed(seed + 1)
+    experts = {}
+    for layer_idx in config.moe_layer_ids:
+        weights = ExpertWeights.empty(config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype)
+        for host in (weights.gate, weights.up, weights.down):
+            for chunk in host.split(max(1, host.shape[0] // 8)):  # bounded device scratch
+                scratch = torch.empty(chunk.shape, device=device, dtype=dtype)
+                chunk.copy_(scratch.normal_(0.0, config.initializer_range, generator=gen))
+        experts[layer_idx] = weights
+    return experts
+
+
+def apply_router_skew(state: dict, experts: dict[int, ExpertWeights], config: ModelConfig, skew: float, seed: int):
+    """The sink dimension and per-layer ranked router column described in the module docstring; in place."""
+    sqrt_d = math.sqrt(config.hidden_size)
+    state["model.embed_tokens.weight"][:, 0] = 4.0 * sqrt_d
+    if "lm_head.weight" in state and not config.tie_word_embeddings:
+        state["lm_head.weight"][:, 0] = 0.0
+    for name, tensor in state.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            tensor[0, :] = 0.0
+    for weights in experts.values():
+        weights.down[:, 0, :] = 0.0
+    gen = torch.Generator().manual_seed(seed + 2)
+    for layer_idx in config.moe_layer_ids:
+        rank = torch.randperm(config.num_experts, generator=gen)  # [E]: rank of expert e
+        column = -skew * torch.log(rank.double() + 1.0) / sqrt_d  # [E]
+        router = state[f"model.layers.{layer_idx}.mlp.gate.weight"]  # [E, D]
+        router[:, 0] = column.to(router.device, router.dtype)

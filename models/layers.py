@@ -1,0 +1,93 @@
+"""Building blocks shared by the Qwen MoE families: RMSNorm, RoPE, the dense MLP and paged attention.
+
+Numerics follow Hugging Face transformers' Qwen2/Qwen3 code (RMSNorm in fp32, neox-style RoPE with fp32 angles)
+so that fp32 outputs match it to rounding. Attention reads and writes K/V only through `rimuru.ops` and the
+`ForwardContext`; this module owns no cache.
+Shape letters: T tokens, D hidden, Hq query heads, Hk KV heads, Dh head dim.
+"""
+
+import torch
+from torch import nn
+
+from rimuru import ops
+from rimuru.models.config import ModelConfig
+from rimuru.models.context import ForwardContext
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables of the default (neox) RoPE for the positions of one step."""
+
+    def __init__(self, head_dim: int, theta: float):
+        super().__init__()
+        # NOTE: computed in fp32 on the CPU exactly as transformers does, then moved with the module.
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype):  # positions [T]
+        freqs = positions[:, None].float() * self.inv_freq[None, :]  # [T, Dh / 2]
+        angles = torch.cat((freqs, freqs), dim=-1)  # [T, Dh]
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [T, H, Dh]
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, Dh]
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+class MLP(nn.Module):
+    """SwiGLU MLP: the dense layers of `mlp_only_layers` and qwen2_moe's shared expert."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
+        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Attention(nn.Module):
+    """GQA self-attention over paged K/V; qwen3_moe adds a per-head RMSNorm on q and k before RoPE."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int, use_qk_norm: bool):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.scale = self.head_dim**-0.5
+        d, dh, bias = config.hidden_size, config.head_dim, config.qkv_bias
+        self.q_proj = nn.Linear(d, self.num_heads * dh, bias=bias)
+        self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * dh, d, bias=False)
+        self.q_norm = RMSNorm(dh, config.rms_norm_eps) if use_qk_norm else None
+        self.k_norm = RMSNorm(dh, config.rms_norm_eps) if use_qk_norm else None
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, Dh]
+        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hk, Dh]
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hk, Dh]
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        i = self.layer_idx
+        ops.write_kv(k, v, ctx.kv_view, ctx.slot_mappings[i])
+        out = ops.paged_attention(
+            q, ctx.kv_view, ctx.kv_page_tables[i], ctx.seq_lens, ctx.query_start_loc, self.scale
+        )  # [T, Hq, Dh]
+        return self.o_proj(out.flatten(1))  # [T, D]

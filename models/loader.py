@@ -1,0 +1,118 @@
+"""`from_pretrained`: a Qwen MoE checkpoint (or random weights) as a Rimuru model plus host expert weights.
+
+Owns building the module on the meta device and materialising each tensor once: non-expert weights straight onto
+`device`, routed experts into host memory (`ExpertWeights` per MoE layer, pinned when CUDA is available). Never
+puts the routed experts on the GPU: copying them into pool pages is the expert store's job.
+"""
+
+import os
+from dataclasses import dataclass
+
+import torch
+from accelerate import init_empty_weights
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from rimuru.models.checkpoint import ExpertCollector, ExpertWeights, canonical_key, parse_expert_key
+from rimuru.models.checkpoint import resolve_folder, safetensors_files
+from rimuru.models.config import ModelConfig
+from rimuru.models.dummy import apply_router_skew, dummy_experts, dummy_state
+from rimuru.models.qwen_moe import QwenMoeForCausalLM, model_class
+
+
+@dataclass
+class LoadedModel:
+    model: QwenMoeForCausalLM  # non-expert weights on the device, eval mode
+    config: ModelConfig
+    experts: dict[int, ExpertWeights]  # decoder layer index -> host experts; MoE layers only
+    folder: str | None  # checkpoint folder (config, tokenizer); None for dummy weights from a bare config
+
+    @property
+    def tokenizer_path(self) -> str | None:
+        return self.folder
+
+
+def from_pretrained(
+    path_or_repo_id: str | os.PathLike,
+    device: str | torch.device = "cpu",
+    dtype: torch.dtype | None = None,
+    load_format: str = "auto",
+    router_skew: float = 0.0,
+    progress: bool = True,
+    seed: int = 0,
+) -> LoadedModel:
+    """Load a qwen2_moe / qwen3_moe checkpoint from a folder or a Hugging Face repo id.
+
+    dtype: defaults to the config's torch_dtype. load_format "auto" reads safetensors; "dummy" reads only
+    config.json and draws random weights (see `rimuru.models.dummy`, which also documents `router_skew`).
+    Routed experts end up in `LoadedModel.experts`, never in the module. A repo id is looked up in the Hugging
+    Face cache only when HF_HUB_OFFLINE is set.
+    """
+    folder = resolve_folder(path_or_repo_id)
+    if not os.path.exists(os.path.join(folder, "config.json")):
+        raise FileNotFoundError(f"no config.json in checkpoint folder {folder!r}")
+    config = ModelConfig.from_hf(folder)
+    dtype = dtype or config.torch_dtype
+    device = torch.device(device)
+    with init_empty_weights():
+        model = model_class(config)(config)
+    if load_format == "dummy":
+        state, experts = dummy_state(model, config, device, dtype, seed), dummy_experts(config, device, dtype, seed)
+        if router_skew > 0:
+            apply_router_skew(state, experts, config, router_skew, seed)
+    elif load_format == "auto":
+        state, experts = _read_checkpoint(model, config, folder, device, dtype, progress)
+    else:
+        raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
+    _assign(model, state, device)
+    return LoadedModel(model=model.eval(), config=config, experts=experts, folder=folder)
+
+
+def _read_checkpoint(model, config: ModelConfig, folder: str, device, dtype, progress: bool):
+    """Every tensor of every shard, once: experts to host buffers, the rest to `device` in `dtype`."""
+    expected = _expected_keys(model, config)
+    collector = ExpertCollector(
+        config.moe_layer_ids, config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype
+    )
+    state, unexpected = {}, []
+    files = safetensors_files(folder)
+    with tqdm(total=len(files), desc="Loading shards", unit="shard", disable=not progress) as bar:
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as f:
+                for key in f.keys():
+                    name = canonical_key(key)
+                    parsed = parse_expert_key(name)
+                    if parsed is not None:
+                        accepted = collector.put(name, parsed, f.get_tensor(key))
+                    elif (accepted := name in expected):
+                        state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    elif name == "lm_head.weight" and config.tie_word_embeddings:
+                        accepted = True  # tied: the embedding is the head
+                    if not accepted:
+                        unexpected.append(key)
+            bar.update(1)
+    _check_keys(folder, sorted(expected - state.keys()) + collector.missing(), unexpected)
+    return state, collector.layers
+
+
+def _expected_keys(model, config: ModelConfig) -> set[str]:
+    names = {name for name, _ in model.named_parameters()}  # tied weights appear once
+    return names
+
+
+def _check_keys(folder: str, missing: list[str], unexpected: list[str]) -> None:
+    if not missing and not unexpected:
+        return
+    parts = [f"{len(missing)} missing (e.g. {missing[:5]})" if missing else ""]
+    parts += [f"{len(unexpected)} unexpected (e.g. {unexpected[:5]})" if unexpected else ""]
+    raise ValueError(f"checkpoint {folder!r} does not match the model: " + "; ".join(p for p in parts if p))
+
+
+def _assign(model: QwenMoeForCausalLM, state: dict[str, torch.Tensor], device) -> None:
+    """Swap the meta parameters for the loaded tensors (no copy) and move the buffers (RoPE table) to `device`."""
+    model.load_state_dict(state, strict=False, assign=True)
+    model.tie_weights()
+    model.to(device)
+    meta = [name for name, p in model.named_parameters() if p.is_meta]
+    if meta:
+        raise RuntimeError(f"parameters left unloaded: {meta[:5]}")

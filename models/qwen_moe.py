@@ -1,0 +1,128 @@
+"""Qwen2-MoE and Qwen3-MoE decoders on Rimuru's paged ops.
+
+Parameter names match Hugging Face checkpoint keys, except the routed experts: they are not parameters here. They
+live in pool pages owned by the expert store, and a MoE layer reaches them only through
+`ctx.expert_view` and `ctx.expert_page_tables[layer_idx]` (DESIGN.md section 3). The two families differ in two
+switches: qwen2_moe has a gated shared expert, qwen3_moe a per-head q/k RMSNorm.
+Shape letters: T tokens, B' tokens whose logits are wanted, D hidden, E experts, K top-k, V vocabulary.
+"""
+
+import torch
+from torch import nn
+
+from rimuru import ops
+from rimuru.models.config import ModelConfig
+from rimuru.models.context import ForwardContext
+from rimuru.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+
+
+class SparseMoeBlock(nn.Module):
+    """Router (`gate`), routed experts through `rimuru.ops.paged_moe`, and qwen2_moe's optional shared expert."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
+        self.num_features = config.moe_intermediate_size
+        self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
+        self.shared_expert, self.shared_expert_gate = None, None
+        if config.shared_expert_intermediate_size > 0:
+            self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
+            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, D]
+        """Top-k expert ids [T, K] and their fp32 weights [T, K]; logits and softmax in fp32."""
+        logits = nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E]
+        weights, ids = torch.topk(logits.softmax(dim=-1), self.top_k, dim=-1)  # [T, K]
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return ids, weights
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, D]
+        topk_ids, topk_weights = self.route(x)  # [T, K]
+        if ctx.on_routing is not None:
+            ctx.on_routing(self.layer_idx, x, topk_ids)
+        page_table = ctx.expert_page_tables[self.layer_idx]  # [E, 3]
+        out = ops.paged_moe(x, ctx.expert_view, page_table, topk_ids, topk_weights, self.num_features)  # [T, D]
+        if self.shared_expert is not None:
+            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+        return out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, use_qk_norm: bool):
+        super().__init__()
+        self.self_attn = Attention(config, layer_idx, use_qk_norm)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        self.mlp = SparseMoeBlock(config, layer_idx) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)  # [T, D]
+        h = self.post_attention_layernorm(x)
+        return x + (self.mlp(h, ctx) if self.is_moe else self.mlp(h))  # [T, D]
+
+
+class QwenMoeModel(nn.Module):
+    """Embedding and decoder layers; returns the last hidden state before the final norm."""
+
+    def __init__(self, config: ModelConfig, use_qk_norm: bool):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(config, i, use_qk_norm) for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T]
+        x = self.embed_tokens(input_ids)  # [T, D]
+        cos, sin = self.rotary_emb(ctx.positions, x.dtype)  # [T, Dh]
+        for layer in self.layers:
+            x = layer(x, cos, sin, ctx)
+        return x
+
+
+class QwenMoeForCausalLM(nn.Module):
+    """The common causal LM; use the family classes below so the switches follow the checkpoint."""
+
+    use_qk_norm = False
+    architecture = ""
+
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        if config.architecture != self.architecture:
+            raise ValueError(f"{type(self).__name__} cannot run a {config.architecture!r} checkpoint")
+        self.config = config
+        self.model = QwenMoeModel(config, self.use_qk_norm)
+        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Share the embedding with the LM head when the checkpoint says so (call again after loading)."""
+        if self.config.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T]
+        x = self.model(input_ids, ctx)  # [T, D]
+        x = self.model.norm(x[ctx.logits_indices])  # [B', D]
+        return self.lm_head(x)  # [B', V]
+
+    @property
+    def moe_layer_ids(self) -> list[int]:
+        return self.config.moe_layer_ids
+
+
+class Qwen2MoeForCausalLM(QwenMoeForCausalLM):
+    architecture = "qwen2_moe"
+
+
+class Qwen3MoeForCausalLM(QwenMoeForCausalLM):
+    use_qk_norm = True
+    architecture = "qwen3_moe"
+
+
+MODEL_CLASSES = {cls.architecture: cls for cls in (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)}
+
+
+def model_class(config: ModelConfig) -> type[QwenMoeForCausalLM]:
+    return MODEL_CLASSES[config.architecture]

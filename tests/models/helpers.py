@@ -1,0 +1,96 @@
+"""A resident `ForwardContext` built by hand: every expert in a page of an expert view, fixed KV pages per request.
+
+What the engine's `ModelRunner` does for real, reduced to the minimum a model test needs. Page ids are shuffled on
+purpose so that a model reading the wrong page (or assuming contiguous pages) fails.
+
+    kv page of (layer l, request r, i-th page) = kv_perm[(l * max_requests + r) * max_pages + i]
+    expert page of (layer l, expert e, matrix m) = expert_perm[(l * E + e) * 3 + m]   (m: 0 gate, 1 up, 2 down)
+"""
+
+import torch
+
+from rimuru.models import ForwardContext, LoadedModel
+
+
+class ResidentRunner:
+    """Runs steps of a few requests through a loaded model, keeping their K/V in a paged view between steps."""
+
+    def __init__(self, loaded: LoadedModel, max_requests: int = 4, max_pages: int = 16, page_tokens: int = 4):
+        cfg = loaded.config
+        self.loaded, self.page_tokens = loaded, page_tokens
+        self.max_requests, self.max_pages = max_requests, max_pages
+        self.num_layers = cfg.num_hidden_layers
+        gen = torch.Generator().manual_seed(1234)
+        num_kv_pages = self.num_layers * max_requests * max_pages
+        self.kv_perm = torch.randperm(num_kv_pages, generator=gen)
+        dtype = next(loaded.model.parameters()).dtype
+        self.kv_view = torch.full((num_kv_pages, 2, page_tokens, cfg.num_key_value_heads, cfg.head_dim), float("nan"), dtype=dtype)
+        self.expert_view, self.expert_page_tables = build_expert_pool(loaded, gen)
+        self.seq_lens = [0] * max_requests
+        self.routing_calls: list[tuple[int, tuple, tuple]] = []
+
+    def kv_page(self, layer_idx: int, request: int, i: int) -> int:
+        return int(self.kv_perm[(layer_idx * self.max_requests + request) * self.max_pages + i])
+
+    def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> torch.Tensor:
+        """Append each request's new tokens ({request: tokens}); logits of every token, or of each chunk's last."""
+        input_ids = torch.tensor([t for toks in chunks.values() for t in toks], dtype=torch.long)
+        ctx = self.context(chunks, all_logits)
+        for request, toks in chunks.items():
+            self.seq_lens[request] += len(toks)
+        with torch.no_grad():
+            return self.loaded.model(input_ids, ctx)
+
+    def context(self, chunks: dict[int, list[int]], all_logits: bool) -> ForwardContext:
+        positions, slots, starts, seq_lens = [], [], [0], []
+        for request, toks in chunks.items():
+            cached = self.seq_lens[request]
+            positions += range(cached, cached + len(toks))
+            slots.append([(request, pos) for pos in range(cached, cached + len(toks))])
+            starts.append(starts[-1] + len(toks))
+            seq_lens.append(cached + len(toks))
+        requests = list(chunks)
+        tables = torch.tensor(
+            [[[self.kv_page(layer, r, i) for i in range(self.max_pages)] for r in requests] for layer in range(self.num_layers)],
+            dtype=torch.int32,
+        )  # [L, B, max pages]
+        flat = [s for per_request in slots for s in per_request]
+        mappings = torch.tensor(
+            [[self.kv_page(layer, r, pos // self.page_tokens) * self.page_tokens + pos % self.page_tokens for r, pos in flat]
+             for layer in range(self.num_layers)],
+            dtype=torch.int64,
+        )  # [L, T]
+        ends = torch.tensor(starts[1:]) - 1
+        return ForwardContext(
+            positions=torch.tensor(positions, dtype=torch.int64),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            kv_page_tables=tables,
+            slot_mappings=mappings,
+            expert_page_tables=self.expert_page_tables,
+            kv_view=self.kv_view,
+            expert_view=self.expert_view,
+            logits_indices=torch.arange(len(positions)) if all_logits else ends,
+            on_routing=self.record_routing,
+        )
+
+    def record_routing(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        self.routing_calls.append((layer_idx, tuple(hidden.shape), tuple(topk_ids.shape)))
+
+
+def build_expert_pool(loaded: LoadedModel, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Expert view [P, F * D] holding every expert's three matrices, and page tables [L, E, 3] (-1 on dense layers)."""
+    cfg = loaded.config
+    e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
+    num_pages = cfg.num_hidden_layers * e * 3
+    perm = torch.randperm(num_pages, generator=gen)
+    dtype = next(loaded.model.parameters()).dtype
+    view = torch.full((num_pages, f * d), float("nan"), dtype=dtype)
+    tables = torch.full((cfg.num_hidden_layers, e, 3), -1, dtype=torch.int32)
+    for layer_idx, weights in loaded.experts.items():
+        for expert_id in range(e):
+            for m, matrix in enumerate(weights.matrices(expert_id)):
+                page = int(perm[(layer_idx * e + expert_id) * 3 + m])
+                view[page] = matrix.reshape(-1)
+                tables[layer_idx, expert_id, m] = page
+    return view, tables
