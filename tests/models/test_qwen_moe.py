@@ -68,11 +68,11 @@ def test_chunked_prefill_mixed_with_decode_matches_hf(loaded, hf_model):
 
 
 def test_greedy_text_is_not_degenerate(loaded, hf_model):
-    """Fabricated weights give distinct predictions with margins far above the comparison tolerance."""
+    """Fabricated weights give distinct predictions whose top-1 margins dwarf the fp32 disagreement (~1e-6)."""
     last = torch.stack([hf_logits(hf_model, p)[-1] for p in PROMPTS])  # [B, V]
     top2 = last.topk(2, dim=-1).values
     assert len(set(last.argmax(-1).tolist())) >= 3
-    assert (top2[:, 0] - top2[:, 1]).min() > 100 * ATOL
+    assert (top2[:, 0] - top2[:, 1]).min() > 1e-3
 
 
 def test_swapping_expert_pages_changes_logits(loaded):
