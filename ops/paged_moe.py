@@ -92,6 +92,44 @@ def _down_kernel(
     tl.store(p_y, b_acc.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
+def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act, top_k, cfg):
+    """act[t * K + k] = silu(x_t gate_e^T) * (x_t up_e^T) for every routed pair; act [T * K, F]."""
+    num_pairs, num_features = act.shape
+    grid = (block_expert.numel(), triton.cdiv(num_features, cfg["BLOCK_N"]))
+    _gate_up_kernel[grid](
+        hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act,
+        num_pairs, num_features, hidden.shape[1], hidden.stride(0), expert_view.stride(0), act.stride(0),
+        TOP_K=top_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+
+
+def launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, cfg):
+    """out[t * K + k] = w_tk * (act[t * K + k] down_e^T); out [T * K, D]. `DOWN_*` keys override the tiles."""
+    tiles = {**cfg, **{key[5:]: v for key, v in cfg.items() if key.startswith("DOWN_")}}
+    num_pairs, num_features = act.shape
+    grid = (block_expert.numel(), triton.cdiv(out.shape[1], tiles["BLOCK_N"]))
+    _down_kernel[grid](
+        act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out,
+        num_pairs, num_features, out.shape[1], act.stride(0), expert_view.stride(0), out.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"],
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )
+
+
+def moe_gemms(hidden, expert_view, page_table, topk_weights, sorted_ids, block_expert, num_padded, num_features,
+              cfg):
+    """Both GEMMs over already sorted pairs: one weighted output row per (token, k), [T * K, D]."""
+    num_tokens, hidden_size = hidden.shape
+    num_pairs = topk_weights.numel()
+    act = torch.empty(num_pairs, num_features, dtype=hidden.dtype, device=hidden.device)  # [T * K, F]
+    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # [T * K, D]
+    launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act,
+                   num_pairs // num_tokens, cfg)
+    launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, topk_weights, out, cfg)
+    return out
+
+
 def paged_moe_triton(
     hidden: torch.Tensor,  # [T, D]
     expert_view: torch.Tensor,  # [P, F * D], rows may be padded (stride(0) >= F * D)
@@ -101,35 +139,17 @@ def paged_moe_triton(
     num_features: int,
     config: dict | None = None,
 ) -> torch.Tensor:  # [T, D]
-    """Launch the sort, the two GEMM kernels and the top-k sum; no host synchronisation."""
+    """Sort, both GEMMs and the top-k sum; no host synchronisation."""
     num_tokens, hidden_size = hidden.shape
     num_experts, top_k = page_table.shape[0], topk_ids.shape[1]
-    assert expert_view.stride(1) == 1 and hidden.stride(1) == 1, "pages and hidden rows must be contiguous"
     if num_tokens == 0:
         return hidden.new_empty(0, hidden_size)
+    assert expert_view.stride(1) == 1 and hidden.stride(1) == 1, "pages and hidden rows must be contiguous"
     cfg = config or moe_config(num_tokens, num_experts, num_features, hidden_size, top_k, hidden.device)
-    block_m = cfg["BLOCK_M"]
-    sorted_ids, block_expert, num_padded = align_tokens(topk_ids, num_experts, block_m)
-    page_table = page_table.to(torch.int32).contiguous()
+    sorted_ids, block_expert, num_padded = align_tokens(topk_ids, num_experts, cfg["BLOCK_M"])
     weights = topk_weights.to(torch.float32).contiguous()
-    num_pairs = num_tokens * top_k
-    act = torch.empty(num_pairs, num_features, dtype=hidden.dtype, device=hidden.device)  # [T * K, F]
-    out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # [T * K, D]
-    launch = {"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]}
-    grid = (block_expert.numel(), triton.cdiv(num_features, cfg["BLOCK_N"]))
-    _gate_up_kernel[grid](
-        hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act,
-        num_pairs, num_features, hidden_size, hidden.stride(0), expert_view.stride(0), act.stride(0),
-        TOP_K=top_k, BLOCK_M=block_m, BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], **launch,
-    )
-    down = {k[5:]: v for k, v in cfg.items() if k.startswith("DOWN_")}  # optional separate down tiles
-    grid = (block_expert.numel(), triton.cdiv(hidden_size, down.get("BLOCK_N", cfg["BLOCK_N"])))
-    _down_kernel[grid](
-        act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out,
-        num_pairs, num_features, hidden_size, act.stride(0), expert_view.stride(0), out.stride(0),
-        BLOCK_M=block_m, BLOCK_N=down.get("BLOCK_N", cfg["BLOCK_N"]), BLOCK_K=down.get("BLOCK_K", cfg["BLOCK_K"]),
-        num_warps=down.get("num_warps", launch["num_warps"]), num_stages=down.get("num_stages", launch["num_stages"]),
-    )
+    out = moe_gemms(hidden, expert_view, page_table.to(torch.int32).contiguous(), weights, sorted_ids,
+                    block_expert, num_padded, num_features, cfg)  # [T * K, D]
     if top_k == 1:
         return out
     return out.view(num_tokens, top_k, hidden_size).sum(1)  # [T, D], fp32 accumulation inside the reduction

@@ -1,0 +1,86 @@
+"""The `rimuru::` ops on CUDA (Triton kernels) against the fp32 references: bf16, fresh random inputs, poisoned
+outputs, relative error under 1e-2."""
+
+import pytest
+import torch
+from ops_cases import MIXED_BATCH, attention_case, moe_case
+
+import rimuru.ops as ops
+from rimuru.ops import reference
+
+pytestmark = pytest.mark.gpu
+
+
+def poison_allocator():
+    """Fill freed blocks of the caching allocator with NaN so an output element nobody writes shows up."""
+    junk = torch.full((64 << 20,), float("nan"), device="cuda")
+    del junk
+
+
+def rel_err(tri, ref):
+    assert torch.isfinite(tri).all(), "unwritten or poisoned output element"
+    return ((tri.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def as_fp32(args):
+    return [a.float() if isinstance(a, torch.Tensor) and a.is_floating_point() else a for a in args]
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,num_features,hidden_size", [
+    (1, 128, 8, 768, 512), (5, 60, 4, 1408, 256), (300, 128, 8, 768, 512), (1000, 60, 4, 200, 136),
+    (17, 4, 1, 40, 72),
+])
+@pytest.mark.parametrize("identity", [False, True])
+def test_paged_moe_bf16(num_tokens, num_experts, top_k, num_features, hidden_size, identity):
+    seed = int(torch.randint(0, 1 << 30, ()))
+    case = moe_case(num_tokens, num_experts, top_k, num_features, hidden_size, torch.bfloat16, "cuda", seed,
+                    identity=identity)
+    ref = reference.paged_moe(*as_fp32(case.args()))
+    poison_allocator()
+    tri = ops.paged_moe(*case.args())
+    assert tri.dtype == torch.bfloat16 and rel_err(tri, ref) < 1e-2
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 4, 128), (8, 8, 64), (16, 2, 128)])
+@pytest.mark.parametrize("batch", ["mixed", "decode"])
+def test_paged_attention_bf16(num_heads, num_kv_heads, head_dim, batch):
+    seed = int(torch.randint(0, 1 << 30, ()))
+    requests = MIXED_BATCH + [(300, 45)] if batch == "mixed" else [(n, 1) for n in (0, 15, 16, 200, 1023, 77)]
+    case = attention_case(requests, num_heads, num_kv_heads, head_dim, 16, torch.bfloat16, "cuda", seed)
+    ref = reference.paged_attention(*as_fp32(case.args()))
+    poison_allocator()
+    tri = ops.paged_attention(*case.args())
+    assert rel_err(tri, ref) < 1e-2
+
+
+def test_write_kv_bf16_exact():
+    case = attention_case([(0, 0)], 4, 4, 128, 16, torch.bfloat16, "cuda", spare_pages=8)
+    key, value = torch.randn(2, 40, 4, 128, device="cuda", dtype=torch.bfloat16).unbind(0)
+    slots = torch.randperm(8 * 16, device="cuda")[:40]
+    slots[::7] = -1
+    expected = case.kv_view.clone()
+    reference.write_kv(key, value, expected, slots)
+    ops.write_kv(key, value, case.kv_view, slots)
+    torch.testing.assert_close(case.kv_view, expected, equal_nan=True, rtol=0, atol=0)
+
+
+def test_opcheck_cuda():
+    moe = moe_case(9, 6, 2, 64, 96, torch.bfloat16, "cuda", identity=True)
+    torch.library.opcheck(torch.ops.rimuru.paged_moe.default, moe.args())
+    att = attention_case(MIXED_BATCH[:4], 8, 2, 64, 16, torch.bfloat16, "cuda")
+    torch.library.opcheck(torch.ops.rimuru.paged_attention.default, att.args())
+    kv_view = torch.randn(4, 2, 16, 2, 64, device="cuda", dtype=torch.bfloat16)
+    key, value = torch.randn(2, 3, 2, 64, device="cuda", dtype=torch.bfloat16).unbind(0)
+    slots = torch.tensor([1, 40, -1], device="cuda")
+    torch.library.opcheck(torch.ops.rimuru.write_kv.default, (key, value, kv_view, slots))
+
+
+def test_compile_fullgraph_inductor_cuda():
+    moe = moe_case(4, 8, 2, 64, 96, torch.bfloat16, "cuda")
+
+    def layer(hidden, experts, table, ids, weights):
+        return ops.paged_moe(torch.relu(hidden), experts, table, ids, weights, 64) * 2
+
+    expected = layer(*moe.args()[:5])
+    compiled = torch.compile(layer, fullgraph=True)
+    torch.testing.assert_close(compiled(*moe.args()[:5]), expected)

@@ -1,0 +1,68 @@
+"""The `rimuru::` ops on CPU: dispatch to the references, `opcheck`, and tracing under torch.compile(fullgraph)."""
+
+import pytest
+import torch
+from ops_cases import MIXED_BATCH, attention_case, moe_case
+
+import rimuru.ops as ops
+from rimuru.ops import reference
+
+
+def test_dispatch_cpu_runs_references():
+    case = moe_case(5, 6, 2, 24, 40)
+    torch.testing.assert_close(ops.paged_moe(*case.args()), reference.paged_moe(*case.args()), rtol=0, atol=0)
+    att = attention_case(MIXED_BATCH, 4, 2, 16, 4)
+    torch.testing.assert_close(ops.paged_attention(*att.args()), reference.paged_attention(*att.args()))
+
+
+def test_write_kv_mutates_the_pool_view():
+    att = attention_case([(0, 0)], 2, 2, 8, 4, spare_pages=3)
+    key, value = torch.randn(2, 2, 2, 8).unbind(0)
+    ops.write_kv(key, value, att.kv_view, torch.tensor([5, -1]))
+    torch.testing.assert_close(att.kv_view[1, 0, 1], key[0])
+    torch.testing.assert_close(att.kv_view[1, 1, 1], value[0])
+    assert torch.isnan(att.kv_view._base[:, att.kv_view[0].numel():]).all()
+
+
+def test_opcheck_paged_moe():
+    case = moe_case(7, 5, 2, 24, 40, identity=True)
+    torch.library.opcheck(torch.ops.rimuru.paged_moe.default, case.args())
+
+
+def test_opcheck_paged_attention():
+    att = attention_case(MIXED_BATCH[:4], 4, 2, 16, 4)
+    torch.library.opcheck(torch.ops.rimuru.paged_attention.default, att.args())
+
+
+def test_opcheck_write_kv():
+    kv_view = torch.randn(6, 2, 4, 2, 8)
+    key, value = torch.randn(2, 3, 2, 8).unbind(0)
+    torch.library.opcheck(torch.ops.rimuru.write_kv.default, (key, value, kv_view, torch.tensor([1, 9, -1])))
+
+
+def _layer(query, key, value, kv_view, slots, table, seq_lens, qsl, hidden, experts, experts_table, ids, weights):
+    ops.write_kv(key, value, kv_view, slots)
+    attn = ops.paged_attention(query, kv_view, table, seq_lens, qsl, 0.25)
+    return attn.sum() + ops.paged_moe(hidden, experts, experts_table, ids, weights, 24)
+
+
+def _new_token_slots(att, requests):
+    """Slots of each request's new tokens (the last ones of its sequence), from its page table."""
+    slots = []
+    for b, (ctx, new) in enumerate(requests):
+        for pos in range(ctx, ctx + new):
+            slots.append(int(att.page_table[b, pos // 4]) * 4 + pos % 4)
+    return torch.tensor(slots)
+
+
+@pytest.mark.parametrize("backend", ["eager", "aot_eager"])
+def test_compile_fullgraph_traces_the_ops(backend):
+    requests = [(3, 2), (6, 1)]
+    att = attention_case(requests, 4, 2, 16, page_tokens=4, spare_pages=2)
+    moe = moe_case(3, 5, 2, 24, 40, identity=True)
+    key, value = torch.randn(2, 3, 2, 16).unbind(0)
+    args = (att.query, key, value, att.kv_view, _new_token_slots(att, requests), att.page_table, att.seq_lens,
+            att.query_start_loc, moe.hidden, moe.expert_view, moe.page_table, moe.topk_ids, moe.topk_weights)
+    expected = _layer(*[a.clone() if a is att.kv_view else a for a in args])
+    compiled = torch.compile(_layer, fullgraph=True, backend=backend)
+    torch.testing.assert_close(compiled(*args), expected)
