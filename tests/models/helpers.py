@@ -7,6 +7,8 @@ purpose so that a model reading the wrong page (or assuming contiguous pages) fa
     expert page of (layer l, expert e, matrix m) = expert_perm[(l * E + e) * 3 + m]   (m: 0 gate, 1 up, 2 down)
 """
 
+from collections.abc import Callable
+
 import torch
 
 from rimuru.models import ForwardContext, LoadedModel
@@ -15,8 +17,17 @@ from rimuru.models import ForwardContext, LoadedModel
 class ResidentRunner:
     """Runs steps of a few requests through a loaded model, keeping their K/V in a paged view between steps."""
 
-    def __init__(self, loaded: LoadedModel, max_requests: int = 4, max_pages: int = 16, page_tokens: int = 4):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        max_requests: int = 4,
+        max_pages: int = 16,
+        page_tokens: int = 4,
+        on_routing: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+    ):
         cfg = loaded.config
+        self.device = next(loaded.model.parameters()).device
+        self.on_routing = on_routing
         self.loaded, self.page_tokens = loaded, page_tokens
         self.max_requests, self.max_pages = max_requests, max_pages
         self.num_layers = cfg.num_hidden_layers
@@ -24,7 +35,8 @@ class ResidentRunner:
         num_kv_pages = self.num_layers * max_requests * max_pages
         self.kv_perm = torch.randperm(num_kv_pages, generator=gen)
         dtype = next(loaded.model.parameters()).dtype
-        self.kv_view = torch.full((num_kv_pages, 2, page_tokens, cfg.num_key_value_heads, cfg.head_dim), float("nan"), dtype=dtype)
+        kv_shape = (num_kv_pages, 2, page_tokens, cfg.num_key_value_heads, cfg.head_dim)
+        self.kv_view = torch.full(kv_shape, float("nan"), dtype=dtype, device=self.device)
         self.expert_view, self.expert_page_tables = build_expert_pool(loaded, gen)
         self.seq_lens = [0] * max_requests
         self.routing_calls: list[tuple[int, tuple, tuple]] = []
@@ -34,7 +46,7 @@ class ResidentRunner:
 
     def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> torch.Tensor:
         """Append each request's new tokens ({request: tokens}); logits of every token, or of each chunk's last."""
-        input_ids = torch.tensor([t for toks in chunks.values() for t in toks], dtype=torch.long)
+        input_ids = torch.tensor([t for toks in chunks.values() for t in toks], dtype=torch.long, device=self.device)
         ctx = self.context(chunks, all_logits)
         for request, toks in chunks.items():
             self.seq_lens[request] += len(toks)
@@ -61,21 +73,24 @@ class ResidentRunner:
             dtype=torch.int64,
         )  # [L, T]
         ends = torch.tensor(starts[1:]) - 1
+        dev = self.device
         return ForwardContext(
-            positions=torch.tensor(positions, dtype=torch.int64),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            kv_page_tables=tables,
-            slot_mappings=mappings,
+            positions=torch.tensor(positions, dtype=torch.int64, device=dev),
+            query_start_loc=torch.tensor(starts, dtype=torch.int32, device=dev),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32, device=dev),
+            kv_page_tables=tables.to(dev),
+            slot_mappings=mappings.to(dev),
             expert_page_tables=self.expert_page_tables,
             kv_view=self.kv_view,
             expert_view=self.expert_view,
-            logits_indices=torch.arange(len(positions)) if all_logits else ends,
+            logits_indices=(torch.arange(len(positions)) if all_logits else ends).to(dev),
             on_routing=self.record_routing,
         )
 
     def record_routing(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         self.routing_calls.append((layer_idx, tuple(hidden.shape), tuple(topk_ids.shape)))
+        if self.on_routing is not None:
+            self.on_routing(layer_idx, hidden, topk_ids)
 
 
 def build_expert_pool(loaded: LoadedModel, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -84,9 +99,9 @@ def build_expert_pool(loaded: LoadedModel, gen: torch.Generator) -> tuple[torch.
     e, f, d = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     num_pages = cfg.num_hidden_layers * e * 3
     perm = torch.randperm(num_pages, generator=gen)
-    dtype = next(loaded.model.parameters()).dtype
-    view = torch.full((num_pages, f * d), float("nan"), dtype=dtype)
-    tables = torch.full((cfg.num_hidden_layers, e, 3), -1, dtype=torch.int32)
+    param = next(loaded.model.parameters())
+    view = torch.full((num_pages, f * d), float("nan"), dtype=param.dtype, device=param.device)
+    tables = torch.full((cfg.num_hidden_layers, e, 3), -1, dtype=torch.int32, device=param.device)
     for layer_idx, weights in loaded.experts.items():
         for expert_id in range(e):
             for m, matrix in enumerate(weights.matrices(expert_id)):

@@ -1,0 +1,62 @@
+"""The models on the GPU's Triton ops: fabricated checkpoints against transformers on the CPU, and full-width dummy
+weights (Qwen3-30B-A3B shapes, fewer layers) for loading speed and router skew."""
+
+import json
+import time
+
+import pytest
+import torch
+import transformers
+
+from rimuru.models import fabricate, from_pretrained
+from tests.models.helpers import ResidentRunner
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+PROMPTS = {0: [5, 77, 301, 12, 9], 1: [400, 3, 3, 250, 17, 88, 101, 64, 2], 2: [42, 7]}
+
+QWEN3_30B_A3B = {
+    "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 151936, "hidden_size": 2048,
+    "intermediate_size": 6144, "num_hidden_layers": 48, "num_attention_heads": 32, "num_key_value_heads": 4,
+    "head_dim": 128, "moe_intermediate_size": 768, "num_experts": 128, "num_experts_per_tok": 8,
+    "norm_topk_prob": True, "rms_norm_eps": 1e-6, "rope_theta": 1000000.0, "max_position_embeddings": 40960,
+    "decoder_sparse_step": 1, "mlp_only_layers": [], "attention_bias": False, "tie_word_embeddings": False,
+    "bos_token_id": 151643, "eos_token_id": 151645, "torch_dtype": "bfloat16",
+}
+
+
+@pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 0.15)])
+def test_fabricated_on_gpu_matches_hf_cpu(tmp_path, arch, dtype, atol):
+    folder = fabricate(tmp_path, arch=arch, mlp_only_layers=(1,) if arch == "qwen2_moe" else ())
+    hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS.values()])
+    loaded = from_pretrained(folder, device="cuda", dtype=dtype, progress=False)
+    assert loaded.experts[0].gate.is_pinned()
+    logits = ResidentRunner(loaded).step(PROMPTS, all_logits=True).float().cpu()
+    print(arch, dtype, "max |diff|", (logits - expected).abs().max().item())
+    torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+
+
+@pytest.mark.slow
+def test_dummy_full_width_loads_fast_and_skews_routing(tmp_path):
+    config = QWEN3_30B_A3B | {"num_hidden_layers": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for skew in (0.0, 1.0, 2.0):
+        start = time.monotonic()
+        loaded = from_pretrained(tmp_path, device="cuda", load_format="dummy", router_skew=skew)
+        load_s = time.monotonic() - start
+        counts = torch.zeros(4, 128)
+
+        def count(layer_idx, hidden, topk_ids, counts=counts):
+            counts[layer_idx] += torch.bincount(topk_ids.flatten().cpu(), minlength=128).float()
+
+        runner = ResidentRunner(loaded, max_requests=1, max_pages=40, page_tokens=16, on_routing=count)
+        runner.step({0: torch.randint(0, 151936, (600,), generator=torch.Generator().manual_seed(0)).tolist()})
+        top8 = (counts.sort(dim=1, descending=True).values[:, :8].sum(1) / counts.sum(1)).tolist()
+        print(f"skew {skew}: load {load_s:.1f}s, share of the 8 most used experts per layer {[round(s, 2) for s in top8]}")
+        if skew == 0.0:
+            assert max(top8) < 0.2
+        if skew == 2.0:
+            assert min(top8) > 0.5
