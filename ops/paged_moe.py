@@ -23,11 +23,11 @@ from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import align_tokens
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs", "top_k"])  # one compile serves every batch size and top-k
 def _gate_up_kernel(
     p_hidden, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_act,
-    num_pairs, num_features, hidden_size, stride_hidden, stride_page, stride_act,
-    TOP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    num_pairs, top_k, num_features, hidden_size, stride_hidden, stride_page, stride_act,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BLOCK_M >= tl.load(p_num_padded):
@@ -38,7 +38,7 @@ def _gate_up_kernel(
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
     m_n = o_n < num_features
     o_k = tl.arange(0, BLOCK_K)
-    p_a = p_hidden + (b_pair // TOP_K)[:, None] * stride_hidden + o_k[None, :]  # [BM, BK]
+    p_a = p_hidden + (b_pair // top_k)[:, None] * stride_hidden + o_k[None, :]  # [BM, BK]
     page_gate = tl.load(p_page_table + i_e * 3).to(tl.int64)
     page_up = tl.load(p_page_table + i_e * 3 + 1).to(tl.int64)
     o_w = o_n[None, :] * hidden_size + o_k[:, None]  # [BK, BN]: column n of the GEMM is row n of the page
@@ -60,7 +60,7 @@ def _gate_up_kernel(
     tl.store(p_out, b_act.to(p_act.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
     p_act, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_weights, p_out,
     num_pairs, num_features, hidden_size, stride_act, stride_page, stride_out,
@@ -98,8 +98,8 @@ def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, nu
     grid = (block_expert.numel(), triton.cdiv(num_features, cfg["BLOCK_N"]))
     _gate_up_kernel[grid](
         hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act,
-        num_pairs, num_features, hidden.shape[1], hidden.stride(0), expert_view.stride(0), act.stride(0),
-        TOP_K=top_k, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        num_pairs, top_k, num_features, hidden.shape[1], hidden.stride(0), expert_view.stride(0), act.stride(0),
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 

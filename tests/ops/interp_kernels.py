@@ -16,7 +16,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from ops_cases import MIXED_BATCH, attention_case, moe_case  # noqa: E402
 
 from rimuru.ops import reference  # noqa: E402
-from rimuru.ops.moe_align import align_tokens  # noqa: E402
+from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton  # noqa: E402
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
 from rimuru.ops.write_kv import write_kv_triton  # noqa: E402
@@ -75,10 +75,12 @@ def test_write_kv():
     assert torch.isnan(base[:, case.kv_view[0].numel():]).all()
 
 
-@pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (8, 128, 16), (520, 60, 32)])
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (8, 128, 16), (520, 60, 32), (130, 60, 16)])
 def test_align_tokens_layout(num_pairs, num_experts, block_m):
-    topk_ids = torch.randint(0, num_experts, (num_pairs, 1))
-    sorted_ids, block_expert, num_padded = align_tokens(topk_ids, num_experts, block_m)
+    topk_ids = torch.randint(0, num_experts, (num_pairs, 1), dtype=torch.int32 if num_pairs % 2 else torch.int64)
+    sorted_ids, block_expert, num_padded = align_tokens_torch(topk_ids, num_experts, block_m)
+    for ref, tri in zip((sorted_ids, block_expert, num_padded), align_tokens_triton(topk_ids, num_experts, block_m)):
+        assert torch.equal(ref, tri)
     rows = sorted_ids[: int(num_padded)]
     real = rows[rows < num_pairs]
     assert sorted(real.tolist()) == list(range(num_pairs))  # every pair exactly once
