@@ -1,0 +1,218 @@
+"""Benchmark Rimuru's paged MoE and paged attention kernels; writes a JSON report and prints a table.
+
+    python tools/bench_kernels.py --out kernels.json            # on a CUDA GPU
+    TRITON_INTERPRET=1 python tools/bench_kernels.py --smoke    # logic check on CPU, tiny shapes, times meaningless
+
+MoE, per model shape and M = 1, 2, 4, ..., 4096 tokens (bf16, softmax top-k routing of random logits):
+  paged     both GEMM kernels, experts at shuffled pages of a pool 1.5x the experts' size (sorting excluded)
+  identity  the same kernels and tiles, expert e at pages 3e, 3e+1, 3e+2 of a contiguous view
+  op        the whole rimuru::paged_moe call: sorting, both GEMMs, top-k sum (eager launches)
+  op_graph  the same call replayed from a CUDA graph (launch gaps removed)
+  vllm      vLLM 0.33.0 fused MoE GEMMs + activation, copied from shared/ANCHORS.md (NOT measured here)
+  roofline  max(bytes of the experts touched / 4.2 TB/s, FLOPs / 764 TFLOP/s), ceilings from ANCHORS.md
+Attention: decode, batch 64, 1024-token contexts, Hq=32, Hk=4, Dh=128, 16-token pages in shuffled order; achieved
+bandwidth = K/V bytes read (+ queries, outputs) / time; a few tile configs are swept and all are reported.
+Times are medians of CUDA-event timings after warm-up (triton.testing.do_bench, L2 flushed before each run).
+"""
+
+import argparse
+import json
+import os
+import sys
+import time
+
+import torch
+
+from rimuru.ops import reference
+from rimuru.ops.moe_align import align_tokens, align_tokens_torch, align_tokens_triton
+from rimuru.ops.paged_attention import paged_attention_triton
+from rimuru.ops.paged_moe import moe_gemms, paged_moe_triton
+from rimuru.ops.configs import moe_config
+
+MODELS = {
+    "qwen3-30b-a3b": {"E": 128, "F": 768, "D": 2048, "K": 8},
+    "qwen1.5-moe": {"E": 60, "F": 1408, "D": 2048, "K": 4},
+}
+# ANCHORS.md, "The MoE kernel": vLLM 0.33.0 fused MoE on the project's H200, GEMMs + activation, sorting excluded.
+VLLM_GEMM_ONLY_MS = {
+    "qwen3-30b-a3b": {1: 0.130, 8: 0.144, 64: 0.302, 256: 0.329, 1024: 0.384, 4096: 0.822},
+    "qwen1.5-moe": {1: 0.158, 8: 0.158, 64: 0.268, 256: 0.284, 1024: 0.332, 4096: 0.836},
+}
+COPY_BYTES_PER_S = 4.2e12  # ANCHORS.md: device-to-device copy, read + write
+GEMM_FLOPS_PER_S = 764e12  # ANCHORS.md: bf16 GEMM 8192^3
+M_VALUES = [2**i for i in range(13)]
+
+
+def time_ms(fn, smoke=False):
+    if smoke:
+        start = time.perf_counter()
+        fn()
+        return (time.perf_counter() - start) * 1e3
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def time_graph_ms(fn):
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return time_ms(graph.replay)
+
+
+def expert_pools(shape, device, dtype, seed=0):
+    """(paged view, paged table, identity view, identity table) holding the same weights."""
+    gen = torch.Generator(device=device).manual_seed(seed)
+    num_experts, page = shape["E"], shape["F"] * shape["D"]
+    num_pages = 3 * num_experts * 3 // 2
+    pool = torch.randn(num_pages, page, device=device, dtype=dtype, generator=gen) * 0.02
+    table = torch.randperm(num_pages, device=device, generator=gen)[: 3 * num_experts]
+    table = table.view(num_experts, 3).to(torch.int32)
+    identity = pool[table.flatten().long()]  # [3E, F * D], expert e at pages 3e..3e+2
+    identity_table = torch.arange(3 * num_experts, device=device, dtype=torch.int32).view(num_experts, 3)
+    return pool, table, identity, identity_table
+
+
+def routing(num_tokens, shape, device, seed):
+    gen = torch.Generator(device=device).manual_seed(seed)
+    logits = torch.randn(num_tokens, shape["E"], device=device, generator=gen)
+    weights, ids = logits.softmax(-1).topk(shape["K"], dim=-1)
+    return ids, weights
+
+
+def roofline_ms(num_tokens, ids, shape):
+    touched = torch.unique(ids).numel()
+    weight_bytes = touched * 3 * shape["F"] * shape["D"] * 2
+    flops = 2 * num_tokens * shape["K"] * 3 * shape["F"] * shape["D"]
+    return max(weight_bytes / COPY_BYTES_PER_S, flops / GEMM_FLOPS_PER_S) * 1e3
+
+
+def bench_moe_point(name, shape, num_tokens, pools, device, dtype, smoke):
+    pool, table, identity, identity_table = pools
+    ids, weights = routing(num_tokens, shape, device, seed=num_tokens)
+    hidden = torch.randn(num_tokens, shape["D"], device=device, dtype=dtype)
+    cfg = moe_config(num_tokens, shape["E"], shape["F"], shape["D"], shape["K"], device)
+    aligned = align_tokens(ids, shape["E"], cfg["BLOCK_M"])
+
+    def gemms(view, pages):
+        return lambda: moe_gemms(hidden, view, pages, weights, *aligned, shape["F"], cfg)
+
+    row = {"model": name, "M": num_tokens, "config": cfg}
+    row["paged_ms"] = time_ms(gemms(pool, table), smoke)
+    row["identity_ms"] = time_ms(gemms(identity, identity_table), smoke)
+    whole = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"])  # noqa: E731
+    row["op_ms"] = time_ms(whole, smoke)
+    row["op_graph_ms"] = None if smoke else time_graph_ms(whole)
+    row["align_torch_ms"] = time_ms(lambda: align_tokens_torch(ids, shape["E"], cfg["BLOCK_M"]), smoke)
+    if ids.numel() <= 4096:
+        row["align_triton_ms"] = time_ms(lambda: align_tokens_triton(ids, shape["E"], cfg["BLOCK_M"]), smoke)
+    row["vllm_gemm_only_ms"] = VLLM_GEMM_ONLY_MS[name].get(num_tokens)
+    row["roofline_ms"] = roofline_ms(num_tokens, ids, shape)
+    row["paged_vs_identity_pct"] = 100 * (row["paged_ms"] / row["identity_ms"] - 1)
+    row["paged_minus_identity_us"] = 1e3 * (row["paged_ms"] - row["identity_ms"])
+    row["roofline_fraction"] = row["roofline_ms"] / row["paged_ms"]
+    if num_tokens in (1, 64, 1024):
+        args = (hidden, pool, table, ids, weights, shape["F"])
+        ref = reference.paged_moe(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
+        tri = whole().float()
+        row["rel_err_vs_fp32_ref"] = ((tri - ref).norm() / ref.norm()).item()
+        row["paged_equals_identity"] = bool(torch.equal(gemms(pool, table)(), gemms(identity, identity_table)()))
+    return row
+
+
+def bench_attention(device, dtype, smoke):
+    batch, context, num_heads, num_kv_heads, head_dim, page_tokens = 64, 1024, 32, 4, 128, 16
+    if smoke:
+        batch, context, num_heads, num_kv_heads, head_dim, page_tokens = 3, 40, 8, 2, 32, 4
+    pages_each = context // page_tokens
+    num_pages = batch * pages_each + 64
+    kv_view = torch.randn(num_pages, 2, page_tokens, num_kv_heads, head_dim, device=device, dtype=dtype)
+    page_table = torch.randperm(num_pages, device=device)[: batch * pages_each].view(batch, pages_each)
+    page_table = page_table.to(torch.int32)
+    seq_lens = torch.full((batch,), context, device=device, dtype=torch.int32)
+    query_start_loc = torch.arange(batch + 1, device=device, dtype=torch.int32)
+    query = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
+    args = (query, kv_view, page_table, seq_lens, query_start_loc, head_dim**-0.5)
+    moved = 2 * batch * context * num_kv_heads * head_dim * 2 + 2 * query.numel() * 2
+    group = num_heads // num_kv_heads
+    configs = [None] + [
+        {"BLOCK_Q": max(1, 16 // group), "BLOCK_N": n, "num_warps": w, "num_stages": s}
+        for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
+    ]
+    rows = []
+    for cfg in configs[: 2 if smoke else None]:
+        try:
+            ms = time_ms(lambda: paged_attention_triton(*args, config=cfg), smoke)
+        except Exception as error:  # a tile that does not fit (shared memory) is skipped, not fatal
+            rows.append({"config": cfg, "error": str(error)[:200]})
+            continue
+        rows.append({"config": cfg or "default", "ms": ms, "bytes": moved, "tb_per_s": moved / ms / 1e9})
+    ref = reference.paged_attention(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
+    tri = paged_attention_triton(*args).float()
+    err = ((tri - ref).norm() / ref.norm()).item()
+    return {"batch": batch, "context": context, "Hq": num_heads, "Hk": num_kv_heads, "Dh": head_dim,
+            "page_tokens": page_tokens, "rel_err_vs_fp32_ref": err, "configs": rows}
+
+
+def copy_bandwidth():
+    src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    ms = time_ms(lambda: dst.copy_(src))
+    return 2 * src.numel() / ms / 1e9
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", default="kernels.json")
+    parser.add_argument("--smoke", action="store_true", help="CPU logic check under TRITON_INTERPRET=1")
+    parser.add_argument("--skip-moe", action="store_true")
+    args = parser.parse_args()
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    report = {"argv": sys.argv, "torch": torch.__version__}
+    if not args.smoke:
+        import triton
+
+        report |= {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
+                   "commit": os.environ.get("RIMURU_COMMIT", "unknown"), "copy_tb_per_s": copy_bandwidth() / 1e3}
+    report["attention_decode"] = bench_attention(device, dtype, args.smoke)
+    print_attention(report["attention_decode"])
+    report["moe"] = []
+    models = {"tiny": {"E": 6, "F": 40, "D": 72, "K": 2}} if args.smoke else MODELS
+    for name, shape in ([] if args.skip_moe else models.items()):
+        VLLM_GEMM_ONLY_MS.setdefault(name, {})
+        pools = expert_pools(shape, device, dtype)
+        for m in (M_VALUES[:3] if args.smoke else M_VALUES):
+            report["moe"].append(bench_moe_point(name, shape, m, pools, device, dtype, args.smoke))
+            with open(args.out, "w") as f:  # partial results survive a time-out
+                json.dump(report, f, indent=1)
+        del pools
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print_moe(report["moe"])
+
+
+def print_attention(att):
+    print(f"attention decode B={att['batch']} ctx={att['context']} rel_err={att['rel_err_vs_fp32_ref']:.2e}")
+    for row in att["configs"]:
+        if "ms" in row:
+            print(f"  {row['config']}: {row['ms'] * 1e3:.1f} us, {row['tb_per_s']:.2f} TB/s")
+
+
+def print_moe(rows):
+    print("model M | paged identity diff% | op op_graph vllm roofline | roofline% | err")
+    for r in rows:
+        vllm = f"{r['vllm_gemm_only_ms']:.3f}" if r["vllm_gemm_only_ms"] else "-"
+        graph = f"{r['op_graph_ms']:.4f}" if r["op_graph_ms"] else "-"
+        print(f"{r['model']} {r['M']} | {r['paged_ms']:.4f} {r['identity_ms']:.4f} {r['paged_vs_identity_pct']:+.2f} |"
+              f" {r['op_ms']:.4f} {graph} {vllm} {r['roofline_ms']:.4f} | {100 * r['roofline_fraction']:.0f}% |"
+              f" {r.get('rel_err_vs_fp32_ref', '')}")
+
+
+if __name__ == "__main__":
+    main()
