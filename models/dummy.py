@@ -3,15 +3,23 @@
 Non-expert weights are generated on the target device; routed experts are generated there chunk by chunk too
 (fast on a GPU) and copied to host memory, where the expert store expects them. Deterministic for a seed.
 
-`router_skew` (s >= 0) makes expert popularity follow a Zipf-like law, deterministically:
-  * dimension 0 of the residual stream becomes a constant "sink": every embedding row holds `4 * sqrt(D)` there,
-    and no layer writes to it (row 0 of every `o_proj` and down projection, dense, shared or routed, is zero;
-    column 0 of `lm_head` is zero so the sink does not bias the vocabulary);
+Scales are chosen so that routing behaves like a trained model's, not like i.i.d. noise, where every token's hidden
+state collapses onto the same direction after a few layers and all tokens pick the same experts:
+  * embeddings ~ N(0, 1), so token identity dominates the residual stream;
+  * matrices that write into the residual stream (`o_proj`, every down projection) ~ N(0, r / sqrt(2 L)) with
+    r = initializer_range (GPT-2's residual scaling), so the stream grows little over L layers;
+  * routers ~ N(0, 1 / sqrt(D)), so router logits have a standard deviation near 1;
+  * every other matrix and bias ~ N(0, r); norms = 1.
+
+`router_skew` (s > 0) makes expert popularity Zipf-like, deterministically:
+  * dimension 0 of the residual stream becomes a constant "sink": every embedding row holds `sqrt(D)` there (as
+    much as the rest of the row) and no layer writes to it (row 0 of every `o_proj` and down projection, dense,
+    shared or routed, is zero; column 0 of `lm_head` is zero so the sink does not bias the vocabulary);
   * each MoE layer draws a random ranking of its experts (`rank[e]`, 0 = most popular) and sets router column 0
-    to `-s * log(rank[e] + 1) / sqrt(D)`.
-  After the RMSNorm the sink coordinate is close to sqrt(D) while it dominates the residual, so expert e's router
-  logit gets about `-s * log(rank[e] + 1)`: its odds against the favourite fall like `(rank + 1) ** -s`. Deeper
-  layers see a larger residual, a smaller sink coordinate and so a milder skew. s = 0 leaves the weights i.i.d.
+    to `-s * log(rank[e] + 1) / sqrt(D / 2)`.
+  After the RMSNorm the sink coordinate is about sqrt(D / 2), so expert e's router logit gets about
+  `-s * log(rank[e] + 1)`: on top of the token-dependent logits (std ~1), its odds against the favourite fall
+  like `(rank + 1) ** -s`. s = 0 adds no sink and leaves the weights as above.
 """
 
 import math
@@ -23,7 +31,7 @@ from rimuru.models.config import ModelConfig
 
 
 def dummy_state(model: torch.nn.Module, config: ModelConfig, device, dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Normal(0, initializer_range) for matrices and biases, ones for norms; tied weights appear once."""
+    """Random non-expert weights at the scales of the module docstring; tied weights appear once."""
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
     for name, param in model.named_parameters():
@@ -31,20 +39,34 @@ def dummy_state(model: torch.nn.Module, config: ModelConfig, device, dtype, seed
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
         else:
-            tensor.normal_(0.0, config.initializer_range, generator=gen)
+            tensor.normal_(0.0, _std(name, config), generator=gen)
         state[name] = tensor
     return state
 
 
+def _std(name: str, config: ModelConfig) -> float:
+    if name == "model.embed_tokens.weight":
+        return 1.0
+    if name.endswith("mlp.gate.weight"):
+        return config.hidden_size**-0.5
+    if name.endswith(("o_proj.weight", "down_proj.weight")):
+        return _residual_std(config)
+    return config.initializer_range
+
+
+def _residual_std(config: ModelConfig) -> float:
+    return config.initializer_range / math.sqrt(2 * config.num_hidden_layers)
+
+
 def dummy_experts(config: ModelConfig, device, dtype, seed: int) -> dict[int, ExpertWeights]:
     gen = torch.Generator(device=device).manual_seed(seed + 1)
-    experts = {}
+    r, experts = config.initializer_range, {}
     for layer_idx in config.moe_layer_ids:
         weights = ExpertWeights.empty(config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype)
-        for host in (weights.gate, weights.up, weights.down):
+        for host, std in zip((weights.gate, weights.up, weights.down), (r, r, _residual_std(config))):
             for chunk in host.split(max(1, host.shape[0] // 8)):  # bounded device scratch
                 scratch = torch.empty(chunk.shape, device=device, dtype=dtype)
-                chunk.copy_(scratch.normal_(0.0, config.initializer_range, generator=gen))
+                chunk.copy_(scratch.normal_(0.0, std, generator=gen))
         experts[layer_idx] = weights
     return experts
 
@@ -52,7 +74,7 @@ def dummy_experts(config: ModelConfig, device, dtype, seed: int) -> dict[int, Ex
 def apply_router_skew(state: dict, experts: dict[int, ExpertWeights], config: ModelConfig, skew: float, seed: int):
     """The sink dimension and per-layer ranked router column described in the module docstring; in place."""
     sqrt_d = math.sqrt(config.hidden_size)
-    state["model.embed_tokens.weight"][:, 0] = 4.0 * sqrt_d
+    state["model.embed_tokens.weight"][:, 0] = sqrt_d
     if "lm_head.weight" in state and not config.tie_word_embeddings:
         state["lm_head.weight"][:, 0] = 0.0
     for name, tensor in state.items():
@@ -63,6 +85,6 @@ def apply_router_skew(state: dict, experts: dict[int, ExpertWeights], config: Mo
     gen = torch.Generator().manual_seed(seed + 2)
     for layer_idx in config.moe_layer_ids:
         rank = torch.randperm(config.num_experts, generator=gen)  # [E]: rank of expert e
-        column = -skew * torch.log(rank.double() + 1.0) / sqrt_d  # [E]
+        column = -skew * torch.log(rank.double() + 1.0) / math.sqrt(config.hidden_size / 2)  # [E]
         router = state[f"model.layers.{layer_idx}.mlp.gate.weight"]  # [E, D]
         router[:, 0] = column.to(router.device, router.dtype)

@@ -70,7 +70,7 @@ def from_pretrained(
 
 def _read_checkpoint(model, config: ModelConfig, folder: str, device, dtype, progress: bool):
     """Every tensor of every shard, once: experts to host buffers, the rest to `device` in `dtype`."""
-    expected = _expected_keys(model, config)
+    expected = {name for name, _ in model.named_parameters()}  # tied weights appear once
     collector = ExpertCollector(
         config.moe_layer_ids, config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype
     )
@@ -93,11 +93,6 @@ def _read_checkpoint(model, config: ModelConfig, folder: str, device, dtype, pro
             bar.update(1)
     _check_keys(folder, sorted(expected - state.keys()) + collector.missing(), unexpected)
     return state, collector.layers
-
-
-def _expected_keys(model, config: ModelConfig) -> set[str]:
-    names = {name for name, _ in model.named_parameters()}  # tied weights appear once
-    return names
 
 
 def _check_keys(folder: str, missing: list[str], unexpected: list[str]) -> None:

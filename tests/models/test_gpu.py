@@ -26,17 +26,24 @@ QWEN3_30B_A3B = {
 
 
 @pytest.mark.parametrize("arch", ["qwen2_moe", "qwen3_moe"])
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-3), (torch.bfloat16, 0.15)])
-def test_fabricated_on_gpu_matches_hf_cpu(tmp_path, arch, dtype, atol):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fabricated_on_gpu_matches_hf_cpu(tmp_path, arch, dtype):
+    """fp32: close (loose: the Triton kernels multiply in TF32, measured 6e-3 on an H200). bf16: a near-tie in
+    routing may flip an expert for a token, so the check is statistical: small mean error, same greedy tokens."""
     folder = fabricate(tmp_path, arch=arch, mlp_only_layers=(1,) if arch == "qwen2_moe" else ())
     hf = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     with torch.no_grad():
-        expected = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS.values()])
+        expected = torch.cat([hf(torch.tensor([p])).logits[0] for p in PROMPTS.values()])  # [T, V]
     loaded = from_pretrained(folder, device="cuda", dtype=dtype, progress=False)
     assert loaded.experts[0].gate.is_pinned()
-    logits = ResidentRunner(loaded).step(PROMPTS, all_logits=True).float().cpu()
-    print(arch, dtype, "max |diff|", (logits - expected).abs().max().item())
-    torch.testing.assert_close(logits, expected, atol=atol, rtol=0)
+    logits = ResidentRunner(loaded).step(PROMPTS, all_logits=True).float().cpu()  # [T, V]
+    diff = (logits - expected).abs()
+    agree = (logits.argmax(-1) == expected.argmax(-1)).float().mean().item()
+    print(f"{arch} {dtype}: max |diff| {diff.max():.2e}, mean {diff.mean():.2e}, greedy agreement {agree:.2f}")
+    if dtype == torch.float32:
+        torch.testing.assert_close(logits, expected, atol=2e-2, rtol=0)
+    else:
+        assert diff.mean() < 0.05 and agree >= 0.85
 
 
 @pytest.mark.slow
@@ -57,6 +64,6 @@ def test_dummy_full_width_loads_fast_and_skews_routing(tmp_path):
         top8 = (counts.sort(dim=1, descending=True).values[:, :8].sum(1) / counts.sum(1)).tolist()
         print(f"skew {skew}: load {load_s:.1f}s, share of the 8 most used experts per layer {[round(s, 2) for s in top8]}")
         if skew == 0.0:
-            assert max(top8) < 0.2
+            assert max(top8) < 0.15  # uniform: 8 / 128 = 0.06
         if skew == 2.0:
             assert min(top8) > 0.5
