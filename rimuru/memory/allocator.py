@@ -78,8 +78,7 @@ class PageAllocator:
         self._partial = {k: {} for k in SMALL_KINDS}  # ordered sets of split pages with a free small page
         self._num_free_small = dict.fromkeys(SMALL_KINDS, 0)
         self._num_used = dict.fromkeys(MIDDLE_KINDS + SMALL_KINDS, 0)
-        self._owned: dict[Owner, dict[str, list[int]]] = {}
-        self._owner_of = {k: {} for k in MIDDLE_KINDS + SMALL_KINDS}  # kind -> page id -> owner (used pages only)
+        self._owned: dict[Owner, dict[str, list[int]]] = {}  # the only record of who holds a used page
         self._home: dict[tuple[Owner, str], int] = {}  # (owner, small kind) -> expert page last carved from
 
     # ---- queries (no mutation) ---------------------------------------------------------------------------------
@@ -175,9 +174,6 @@ class PageAllocator:
 
     def _record(self, owner: Owner, kind: str, page_ids: list[int]) -> None:
         self._owned.setdefault(owner, {}).setdefault(kind, []).extend(page_ids)
-        owner_of = self._owner_of[kind]
-        for page_id in page_ids:
-            owner_of[page_id] = owner
         self._num_used[kind] += len(page_ids)
 
     # ---- freeing -----------------------------------------------------------------------------------------------
@@ -193,12 +189,11 @@ class PageAllocator:
     def free_pages(self, owner: Owner, page_ids: Iterable[int], kind: str = KV) -> None:
         """Free some of `owner`'s pages of `kind`. ValueError (and no change) if any is not `owner`'s."""
         page_ids = list(page_ids)
-        owner_of = self._owner_of[kind]
-        bad = [p for p in page_ids if owner_of.get(p, _NOBODY) != owner]
-        if bad or len(set(page_ids)) != len(page_ids):
-            raise ValueError(f"{kind} pages {bad or page_ids} are not held by {owner!r} (or are listed twice)")
-        held = self._owned[owner][kind]
+        held = self._owned.get(owner, {}).get(kind, [])
         drop = set(page_ids)
+        bad = drop.difference(held)
+        if bad or len(drop) != len(page_ids):
+            raise ValueError(f"{kind} pages {sorted(bad) or page_ids} are not held by {owner!r} (or listed twice)")
         held[:] = [p for p in held if p not in drop]
         if not held:
             del self._owned[owner][kind]
@@ -208,27 +203,31 @@ class PageAllocator:
         self._release(kind, page_ids)
 
     def _release(self, kind: str, page_ids: list[int]) -> None:
-        owner_of = self._owner_of[kind]
-        for page_id in page_ids:
-            del owner_of[page_id]
         self._num_used[kind] -= len(page_ids)
-        release = self._release_small if kind in SMALL_KINDS else self._release_middle
-        for page_id in page_ids:
-            release(kind, page_id)
+        if kind in SMALL_KINDS:
+            self._release_small(kind, page_ids)
+        else:
+            for page_id in page_ids:
+                self._release_middle(kind, page_id)
 
-    def _release_small(self, kind: str, page_id: int) -> None:
-        parent = page_id // self.children[kind]
-        split = self._splits[parent]
-        split.free.append(page_id)
-        split.num_used -= 1
-        if split.num_used:  # NOTE: merge exactly when the last child is free, not one earlier
-            self._num_free_small[kind] += 1
-            self._partial[kind][parent] = None
-            return
-        self._num_free_small[kind] -= len(split.free) - 1
-        del self._splits[parent]
-        self._partial[kind].pop(parent, None)
-        self._release_middle(EXPERT, parent)
+    def _release_small(self, kind: str, page_ids: list[int]) -> None:
+        per_parent, splits = self.children[kind], self._splits
+        touched: dict[int, _Split] = {}
+        for page_id in page_ids:  # the hot loop of a finishing request: kept flat
+            parent = page_id // per_parent
+            split = touched[parent] = splits[parent]
+            split.free.append(page_id)
+            split.num_used -= 1
+        self._num_free_small[kind] += len(page_ids)
+        partial = self._partial[kind]
+        for parent, split in touched.items():
+            if split.num_used:  # NOTE: merge exactly when the last child is free, not one earlier
+                partial[parent] = None
+                continue
+            self._num_free_small[kind] -= len(split.free)
+            del splits[parent]
+            partial.pop(parent, None)
+            self._release_middle(EXPERT, parent)
 
     def _release_middle(self, kind: str, page_id: int) -> None:
         huge_id = page_id // self.children[kind]
@@ -274,5 +273,3 @@ class PageAllocator:
 
         check_allocator(self)
 
-
-_NOBODY = object()
