@@ -1,8 +1,9 @@
 """Sorting the routed (token, k) pairs per expert and padding each expert's run to the M tile, on the device.
 
 Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises with the host and a CUDA graph can hold
-it: for few pairs (decode) one single-program Triton kernel (one launch instead of some 25 small torch ops), else
-torch ops (argsort, cumsum, scatter). Both give the same layout. Does not own the GEMMs (`rimuru.ops.paged_moe`).
+it. On CUDA two Triton launches (per-chunk expert counts, then a scatter that recomputes the prefix it needs),
+instead of the torch path's ~25 small launches; the torch path (argsort, cumsum, scatter) serves
+CPU. Both give the same layout, which the interpreter tests check. Does not own the GEMMs (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
 
@@ -15,7 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
-MAX_PAIRS_ONE_PROGRAM = 1024  # above this the single-program kernel's serial loop loses to torch's sort
+CHUNK = 128  # pairs a program sorts; [CHUNK, E] one-hot tiles stay in registers
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -25,57 +26,82 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-padded // block_m) * block_m
 
 
-@triton.jit
-def _align_kernel(
-    p_ids, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows,
+@triton.jit(do_not_specialize=["num_pairs", "max_rows"])
+def _count_kernel(
+    p_ids, p_chunk_counts, p_sorted_ids, num_pairs, max_rows, rows_each,
+    EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Pairs per expert in this program's chunk, and the pad id over this program's share of the sorted rows."""
+    i_c = tl.program_id(0)
+    o_e = tl.arange(0, EXPERTS_PAD)
+    o_p = i_c * CHUNK + tl.arange(0, CHUNK)
+    b_ids = tl.load(p_ids + o_p, mask=o_p < num_pairs, other=EXPERTS_PAD)
+    tl.store(p_chunk_counts + i_c * EXPERTS_PAD + o_e, tl.sum((b_ids[:, None] == o_e[None, :]).to(tl.int32), 0))
+    row_end = tl.minimum(max_rows, (i_c + 1) * rows_each)
+    for start in range(i_c * rows_each, row_end, CHUNK):
+        o_r = start + tl.arange(0, CHUNK)
+        tl.store(p_sorted_ids + o_r, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=o_r < row_end)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+def _scatter_kernel(
+    p_ids, p_chunk_counts, p_sorted_ids, p_block_expert, p_num_padded,
+    num_pairs, num_experts, num_chunks, max_blocks, blocks_each,
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
+    """Each pair of this chunk goes to start[e] + (pairs of e in earlier chunks) + (its rank in this chunk)."""
+    i_c = tl.program_id(0)
     o_e = tl.arange(0, EXPERTS_PAD)
-    b_count = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):  # pass 1: pairs per expert
-        o_p = start + tl.arange(0, CHUNK)
-        b_ids = tl.load(p_ids + o_p, mask=o_p < num_pairs, other=EXPERTS_PAD)
-        b_count += tl.sum((b_ids[:, None] == o_e[None, :]).to(tl.int32), 0)
-    b_padded = (b_count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    b_before = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    for c in range(0, num_chunks):
+        b_count = tl.load(p_chunk_counts + c * EXPERTS_PAD + o_e)
+        b_total += b_count
+        b_before += tl.where(c < i_c, b_count, 0)
+    b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
-    b_start = b_end - b_padded
-    tl.store(p_num_padded, tl.sum(b_padded, 0))
-    for start in range(0, max_rows, CHUNK):  # pad ids, and each block's expert (searchsorted right)
-        o_r = start + tl.arange(0, CHUNK)
-        tl.store(p_sorted_ids + o_r, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=o_r < max_rows)
-        m_b = o_r < max_rows // BLOCK_M
-        b_expert = tl.sum((b_end[None, :] <= (o_r * BLOCK_M)[:, None]).to(tl.int32), 1)
-        tl.store(p_block_expert + o_r, tl.minimum(b_expert, num_experts), mask=m_b)
-    tl.debug_barrier()  # NOTE: the pad ids above must land before the real ids below overwrite some of them
-    b_seen = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):  # pass 2: scatter each pair to start[e] + its rank within e
-        o_p = start + tl.arange(0, CHUNK)
-        m_p = o_p < num_pairs
-        b_ids = tl.load(p_ids + o_p, mask=m_p, other=EXPERTS_PAD)
-        b_hot = (b_ids[:, None] == o_e[None, :]).to(tl.int32)  # [CHUNK, E]
-        b_rank = tl.sum(tl.cumsum(b_hot, 0) * b_hot, 1) - 1
-        b_row = tl.sum(b_hot * (b_start + b_seen)[None, :], 1) + b_rank
-        tl.store(p_sorted_ids + b_row, o_p, mask=m_p)
-        b_seen += tl.sum(b_hot, 0)
+    o_p = i_c * CHUNK + tl.arange(0, CHUNK)
+    m_p = o_p < num_pairs
+    b_ids = tl.load(p_ids + o_p, mask=m_p, other=EXPERTS_PAD)
+    b_hot = (b_ids[:, None] == o_e[None, :]).to(tl.int32)  # [CHUNK, E]
+    b_rank = tl.sum(tl.cumsum(b_hot, 0) * b_hot, 1) - 1
+    b_row = tl.sum(b_hot * (b_end - b_padded + b_before)[None, :], 1) + b_rank
+    tl.store(p_sorted_ids + b_row, o_p, mask=m_p)
+    block_end = tl.minimum(max_blocks, (i_c + 1) * blocks_each)
+    for start in range(i_c * blocks_each, block_end, CHUNK):  # each block's expert (searchsorted, right)
+        o_b = start + tl.arange(0, CHUNK)
+        b_expert = tl.sum((b_end[None, :] <= (o_b * BLOCK_M)[:, None]).to(tl.int32), 1)
+        tl.store(p_block_expert + o_b, tl.minimum(b_expert, num_experts), mask=o_b < block_end)
+    if i_c == 0:
+        tl.store(p_num_padded, tl.sum(b_padded, 0))
 
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """`align_tokens` in one single-program launch."""
-    num_pairs = topk_ids.numel()
+    """`align_tokens` in two launches of one program per CHUNK pairs: count, then scatter."""
+    device, num_pairs = topk_ids.device, topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
-    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=topk_ids.device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=topk_ids.device)
-    _align_kernel[(1,)](
-        topk_ids.contiguous(), sorted_ids, block_expert, num_padded, num_pairs, num_experts, max_rows,
-        BLOCK_M=block_m, EXPERTS_PAD=triton.next_power_of_2(num_experts), CHUNK=64, num_warps=8,
+    num_chunks = triton.cdiv(num_pairs, CHUNK)
+    experts_pad = triton.next_power_of_2(num_experts)
+    chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)
+    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
+    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    ids = topk_ids.contiguous()
+    _count_kernel[(num_chunks,)](
+        ids, chunk_counts, sorted_ids, num_pairs, max_rows, triton.cdiv(max_rows, num_chunks),
+        EXPERTS_PAD=experts_pad, CHUNK=CHUNK, num_warps=8,
+    )
+    _scatter_kernel[(num_chunks,)](
+        ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks,
+        block_expert.numel(), triton.cdiv(block_expert.numel(), num_chunks),
+        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=CHUNK, num_warps=8,
     )
     return sorted_ids, block_expert, num_padded
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     """(sorted_ids [R], block_expert [R / BLOCK_M], num_padded [1]) for `topk_ids` [T, K]; no host sync."""
-    if topk_ids.is_cuda and topk_ids.numel() <= MAX_PAIRS_ONE_PROGRAM:
+    if topk_ids.is_cuda and topk_ids.numel() > 0:
         return align_tokens_triton(topk_ids, num_experts, block_m)
     return align_tokens_torch(topk_ids, num_experts, block_m)
 

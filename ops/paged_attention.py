@@ -94,10 +94,12 @@ def _paged_attention_kernel(
 
 
 def attention_config(num_tokens: int, num_requests: int, group: int) -> dict:
-    """Decode-only batches (T == B) take one query a program; prefill chunks take enough rows to fill a tile."""
-    rows = 16 if num_tokens <= num_requests else 64
+    """Decode-only batches (T == B) take one query a program and long K/V tiles (best of a sweep on an H200);
+    prefill chunks take enough rows to fill a tile."""
     group_pad = triton.next_power_of_2(group)
-    return {"BLOCK_Q": max(1, rows // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    if num_tokens <= num_requests:
+        return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
+    return {"BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 def paged_attention_triton(
