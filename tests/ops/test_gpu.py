@@ -84,3 +84,14 @@ def test_compile_fullgraph_inductor_cuda():
     expected = layer(*moe.args()[:5])
     compiled = torch.compile(layer, fullgraph=True)
     torch.testing.assert_close(compiled(*moe.args()[:5]), expected)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 128, 8, 16), (4096, 128, 8, 128),
+                                                                    (777, 60, 4, 32), (3000, 60, 4, 64)])
+def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block_m):
+    from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton
+
+    topk_ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices
+    for ref, tri in zip(align_tokens_torch(topk_ids, num_experts, block_m),
+                        align_tokens_triton(topk_ids, num_experts, block_m)):
+        assert torch.equal(ref, tri)
