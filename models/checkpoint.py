@@ -19,7 +19,11 @@ from dataclasses import dataclass
 
 import torch
 
-_PREFIXES = (("model.language_model.", "model."), ("language_model.model.", "model."), ("language_model.lm_head.", "lm_head."))
+_PREFIXES = (
+    ("model.language_model.", "model."),
+    ("language_model.model.", "model."),
+    ("language_model.lm_head.", "lm_head."),
+)
 _PER_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.weight")
 _FUSED = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(gate_up_proj|down_proj)")
 _MATRIX = {"gate": 0, "up": 1, "down": 2}
@@ -86,7 +90,7 @@ def _snapshot(repo_id: str) -> str:
 
 
 def safetensors_files(folder: str) -> list[str]:
-    """The checkpoint's shard files: from `model.safetensors.index.json`, else `model.safetensors`, else *.safetensors."""
+    """The shard files: from `model.safetensors.index.json`, else `model.safetensors`, else any *.safetensors."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:

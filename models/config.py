@@ -33,7 +33,8 @@ class ModelConfig:
     max_position_embeddings: int
     decoder_sparse_step: int
     mlp_only_layers: tuple[int, ...]
-    qkv_bias: bool
+    qkv_bias: bool  # q/k/v projections; qwen2_moe: `qkv_bias` (default true); qwen3_moe: `attention_bias`
+    o_proj_bias: bool  # qwen3_moe: `attention_bias`; qwen2_moe: never
     tie_word_embeddings: bool
     eos_token_id: tuple[int, ...]
     bos_token_id: int | None
@@ -68,6 +69,7 @@ class ModelConfig:
             decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             qkv_bias=bool(raw.get("qkv_bias", True)) if arch == "qwen2_moe" else bool(raw.get("attention_bias", False)),
+            o_proj_bias=arch == "qwen3_moe" and bool(raw.get("attention_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_id=_as_tuple(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),

@@ -13,8 +13,9 @@ state collapses onto the same direction after a few layers and all tokens pick t
 
 `router_skew` (s > 0) makes expert popularity Zipf-like, deterministically:
   * dimension 0 of the residual stream becomes a constant "sink": every embedding row holds `sqrt(D)` there (as
-    much as the rest of the row) and no layer writes to it (row 0 of every `o_proj` and down projection, dense,
-    shared or routed, is zero; column 0 of `lm_head` is zero so the sink does not bias the vocabulary);
+    much as the rest of the row) and no layer writes to it (row 0 of every `o_proj`, its bias, and every down
+    projection, dense, shared or routed, is zero; column 0 of `lm_head` is zero so the sink does not bias the
+    vocabulary);
   * each MoE layer draws a random ranking of its experts (`rank[e]`, 0 = most popular) and sets router column 0
     to `-s * log(rank[e] + 1) / sqrt(D / 2)`.
   After the RMSNorm the sink coordinate is about sqrt(D / 2), so expert e's router logit gets about
@@ -34,8 +35,8 @@ def dummy_state(model: torch.nn.Module, config: ModelConfig, device, dtype, seed
     """Random non-expert weights at the scales of the module docstring; tied weights appear once."""
     gen = torch.Generator(device=device).manual_seed(seed)
     state = {}
-    for name, param in model.named_parameters():
-        tensor = torch.empty(param.shape, device=device, dtype=dtype)
+    for name, shape in model.checkpoint_shapes().items():
+        tensor = torch.empty(shape, device=device, dtype=dtype)
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
         else:
@@ -80,6 +81,8 @@ def apply_router_skew(state: dict, experts: dict[int, ExpertWeights], config: Mo
     for name, tensor in state.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             tensor[0, :] = 0.0
+        elif name.endswith("o_proj.bias"):
+            tensor[0] = 0.0
     for weights in experts.values():
         weights.down[:, 0, :] = 0.0
     gen = torch.Generator().manual_seed(seed + 2)

@@ -91,15 +91,17 @@ def fabricate(
     return os.fspath(out_dir)
 
 
-def random_weights(config: ModelConfig, seed: int, std: float, expert_layout: str) -> Iterator[tuple[str, torch.Tensor]]:
+def random_weights(
+    config: ModelConfig, seed: int, std: float, expert_layout: str
+) -> Iterator[tuple[str, torch.Tensor]]:
     """(checkpoint key, tensor) in a fixed order; norms are 1 + noise so a wrong norm shows in the logits."""
     gen = torch.Generator().manual_seed(seed)
     with init_empty_weights():
         skeleton = model_class(config)(config)
-    for name, param in skeleton.named_parameters():  # tied weights appear once
+    for name, shape in skeleton.checkpoint_shapes().items():
         scale = 0.1 if name.endswith("norm.weight") else std
         offset = 1.0 if name.endswith("norm.weight") else 0.0
-        yield name, offset + scale * torch.randn(param.shape, generator=gen)
+        yield name, offset + scale * torch.randn(shape, generator=gen)
     for layer_idx in config.moe_layer_ids:
         yield from _expert_weights(config, layer_idx, gen, std, expert_layout)
 

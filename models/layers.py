@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(d, self.num_heads * dh, bias=bias)
         self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=bias)
         self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=bias)
-        self.o_proj = nn.Linear(self.num_heads * dh, d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(dh, config.rms_norm_eps) if use_qk_norm else None
         self.k_norm = RMSNorm(dh, config.rms_norm_eps) if use_qk_norm else None
 

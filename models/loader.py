@@ -25,10 +25,10 @@ class LoadedModel:
     model: QwenMoeForCausalLM  # non-expert weights on the device, eval mode
     config: ModelConfig
     experts: dict[int, ExpertWeights]  # decoder layer index -> host experts; MoE layers only
-    folder: str | None  # checkpoint folder (config, tokenizer); None for dummy weights from a bare config
+    folder: str  # checkpoint folder (config.json, tokenizer files; dummy weights need only config.json)
 
     @property
-    def tokenizer_path(self) -> str | None:
+    def tokenizer_path(self) -> str:
         return self.folder
 
 
@@ -70,7 +70,7 @@ def from_pretrained(
 
 def _read_checkpoint(model, config: ModelConfig, folder: str, device, dtype, progress: bool):
     """Every tensor of every shard, once: experts to host buffers, the rest to `device` in `dtype`."""
-    expected = {name for name, _ in model.named_parameters()}  # tied weights appear once
+    expected = set(model.checkpoint_shapes())
     collector = ExpertCollector(
         config.moe_layer_ids, config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype
     )

@@ -54,7 +54,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.self_attn = Attention(config, layer_idx, use_qk_norm)
         self.is_moe = config.is_moe_layer(layer_idx)
-        self.mlp = SparseMoeBlock(config, layer_idx) if self.is_moe else MLP(config.hidden_size, config.intermediate_size)
+        dense = not self.is_moe
+        self.mlp = MLP(config.hidden_size, config.intermediate_size) if dense else SparseMoeBlock(config, layer_idx)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -101,6 +102,16 @@ class QwenMoeForCausalLM(nn.Module):
         """Share the embedding with the LM head when the checkpoint says so (call again after loading)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def checkpoint_shapes(self) -> dict[str, torch.Size]:
+        """Checkpoint key -> shape of every non-expert weight; without `lm_head.weight` when tied.
+
+        NOTE: under `accelerate.init_empty_weights` the tie in `__init__` is replaced by two meta tensors, so the
+        tie is read from the config here, not from parameter identity."""
+        shapes = {name: p.shape for name, p in self.named_parameters(remove_duplicate=False)}
+        if self.config.tie_word_embeddings:
+            shapes.pop("lm_head.weight")
+        return shapes
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T]
         x = self.model(input_ids, ctx)  # [T, D]

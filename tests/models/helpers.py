@@ -44,6 +44,10 @@ class ResidentRunner:
     def kv_page(self, layer_idx: int, request: int, i: int) -> int:
         return int(self.kv_perm[(layer_idx * self.max_requests + request) * self.max_pages + i])
 
+    def slot(self, layer_idx: int, request: int, pos: int) -> int:
+        """page_id * page_tokens + offset of token `pos` of a request in one layer."""
+        return self.kv_page(layer_idx, request, pos // self.page_tokens) * self.page_tokens + pos % self.page_tokens
+
     def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> torch.Tensor:
         """Append each request's new tokens ({request: tokens}); logits of every token, or of each chunk's last."""
         input_ids = torch.tensor([t for toks in chunks.values() for t in toks], dtype=torch.long, device=self.device)
@@ -62,15 +66,14 @@ class ResidentRunner:
             starts.append(starts[-1] + len(toks))
             seq_lens.append(cached + len(toks))
         requests = list(chunks)
+        layers = range(self.num_layers)
         tables = torch.tensor(
-            [[[self.kv_page(layer, r, i) for i in range(self.max_pages)] for r in requests] for layer in range(self.num_layers)],
+            [[[self.kv_page(layer, r, i) for i in range(self.max_pages)] for r in requests] for layer in layers],
             dtype=torch.int32,
         )  # [L, B, max pages]
         flat = [s for per_request in slots for s in per_request]
         mappings = torch.tensor(
-            [[self.kv_page(layer, r, pos // self.page_tokens) * self.page_tokens + pos % self.page_tokens for r, pos in flat]
-             for layer in range(self.num_layers)],
-            dtype=torch.int64,
+            [[self.slot(layer, r, pos) for r, pos in flat] for layer in layers], dtype=torch.int64
         )  # [L, T]
         ends = torch.tensor(starts[1:]) - 1
         dev = self.device

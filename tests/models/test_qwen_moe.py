@@ -8,7 +8,12 @@ from rimuru.models import fabricate, from_pretrained
 from tests.models.helpers import ResidentRunner
 
 ATOL = 1e-4
-PROMPTS = [[5, 77, 301, 12, 9], [400, 3, 3, 250, 17, 88, 101, 64, 2], [42, 7], [11, 200, 33, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
+PROMPTS = [
+    [5, 77, 301, 12, 9],
+    [400, 3, 3, 250, 17, 88, 101, 64, 2],
+    [42, 7],
+    [11, 200, 33, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13],
+]
 
 
 @pytest.fixture(scope="module", params=["qwen2_moe", "qwen3_moe"])
@@ -105,3 +110,22 @@ def test_module_holds_no_routed_experts(loaded):
     assert weights.gate.shape == (cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size)
     assert weights.down.shape == (cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size)
     assert weights.gate.device.type == "cpu"
+
+
+@pytest.mark.parametrize(
+    "arch,overrides",
+    [
+        ("qwen3_moe", {"tie_word_embeddings": True, "attention_bias": True, "norm_topk_prob": False}),
+        ("qwen2_moe", {"decoder_sparse_step": 2, "norm_topk_prob": True, "num_key_value_heads": 4}),
+    ],
+)
+def test_config_switches_match_hf(tmp_path, arch, overrides):
+    folder = fabricate(tmp_path, arch=arch, config_overrides=overrides)
+    hf, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    loaded = from_pretrained(folder, dtype=torch.float32, progress=False)
+    tied = loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
+    assert tied == overrides.get("tie_word_embeddings", False)
+    logits = ResidentRunner(loaded).step(dict(enumerate(PROMPTS[:3])), all_logits=True)
+    expected = torch.cat([hf_logits(hf, p) for p in PROMPTS[:3]])
+    torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
