@@ -62,7 +62,8 @@ def test_dummy_full_width_loads_fast_and_skews_routing(tmp_path):
         runner = ResidentRunner(loaded, max_requests=1, max_pages=40, page_tokens=16, on_routing=count)
         runner.step({0: torch.randint(0, 151936, (600,), generator=torch.Generator().manual_seed(0)).tolist()})
         top8 = (counts.sort(dim=1, descending=True).values[:, :8].sum(1) / counts.sum(1)).tolist()
-        print(f"skew {skew}: load {load_s:.1f}s, share of the 8 most used experts by layer {[round(s, 2) for s in top8]}")
+        shares = [round(s, 2) for s in top8]
+        print(f"skew {skew}: load {load_s:.1f}s, share of the 8 most used experts by layer {shares}")
         if skew == 0.0:
             assert max(top8) < 0.15  # uniform: 8 / 128 = 0.06
         if skew == 2.0:
