@@ -47,17 +47,19 @@ def _count_kernel(
 def _scatter_kernel(
     p_ids, p_chunk_counts, p_sorted_ids, p_block_expert, p_num_padded,
     num_pairs, num_experts, num_chunks, max_blocks, blocks_each,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, PREFIX_ROWS: tl.constexpr,
 ):
     """Each pair of this chunk goes to start[e] + (pairs of e in earlier chunks) + (its rank in this chunk)."""
     i_c = tl.program_id(0)
     o_e = tl.arange(0, EXPERTS_PAD)
     b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     b_before = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
-    for c in range(0, num_chunks):
-        b_count = tl.load(p_chunk_counts + c * EXPERTS_PAD + o_e)
-        b_total += b_count
-        b_before += tl.where(c < i_c, b_count, 0)
+    for c_start in range(0, num_chunks, PREFIX_ROWS):  # [PREFIX_ROWS, E] tiles: few dependent loads
+        o_c = c_start + tl.arange(0, PREFIX_ROWS)
+        b_count = tl.load(p_chunk_counts + o_c[:, None] * EXPERTS_PAD + o_e[None, :], mask=(o_c < num_chunks)[:, None],
+                          other=0)
+        b_total += tl.sum(b_count, 0)
+        b_before += tl.sum(tl.where((o_c < i_c)[:, None], b_count, 0), 0)
     b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
     o_p = i_c * CHUNK + tl.arange(0, CHUNK)
@@ -94,7 +96,7 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     _scatter_kernel[(num_chunks,)](
         ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks,
         block_expert.numel(), triton.cdiv(block_expert.numel(), num_chunks),
-        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=CHUNK, num_warps=8,
+        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=CHUNK, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
     )
     return sorted_ids, block_expert, num_padded
 
