@@ -1,0 +1,61 @@
+"""`EngineConfig`: every engine option in one frozen dataclass, and `resolve()` for the values derived from the
+model and the machine. Components receive only the few fields they need, never this whole object.
+"""
+
+import re
+from dataclasses import dataclass, replace
+
+import torch
+
+from rimuru.memory import DEFAULT_PAGE_TOKENS
+
+_UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
+          "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
+
+
+def parse_bytes(value: int | float | str | None) -> int | None:
+    """'30GiB', '30 GB', '2.5e9' or a number of bytes -> bytes; None stays None."""
+    if value is None or isinstance(value, int):
+        return value
+    if isinstance(value, float):
+        return int(value)
+    match = re.fullmatch(r"\s*([0-9.]+(?:e[0-9]+)?)\s*([a-zA-Z]*)\s*", value)
+    if not match or match.group(2).lower() not in _UNITS:
+        raise ValueError(f"gpu_memory_budget must be bytes or a size such as '30GiB', got {value!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # a checkpoint folder or a Hugging Face repo id
+    device: str | None = None  # None: "cuda" when there is a GPU, else "cpu"
+    dtype: torch.dtype | str | None = None  # None: the checkpoint's dtype on a GPU, float32 on CPU
+    gpu_memory_budget: int | str | None = None  # bytes the engine may take on the device: weights, pool, activations
+    load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
+    router_skew: float = 0.0  # dummy weights only: see rimuru.models.dummy
+    max_num_seqs: int = 256  # requests in one batch
+    max_num_batched_tokens: int = 8192  # tokens in one forward pass (prefill chunks + decodes)
+    max_model_len: int | None = None  # None: the model's max_position_embeddings
+    page_tokens: int = DEFAULT_PAGE_TOKENS
+    tokenizer: str | None = None  # None: the checkpoint folder
+    seed: int = 0
+    progress: bool = True
+
+    def resolve(self, max_position_embeddings: int, checkpoint_dtype: torch.dtype) -> "EngineConfig":
+        """A copy with device, dtype, budget and max_model_len filled in; raises ValueError on bad values."""
+        device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
+        dtype = self.dtype or (checkpoint_dtype if torch.device(device).type == "cuda" else torch.float32)
+        if isinstance(dtype, str):
+            dtype = getattr(torch, dtype.removeprefix("torch."), None)
+            if not isinstance(dtype, torch.dtype):
+                raise ValueError(f"dtype must be a torch dtype name such as 'bfloat16', got {self.dtype!r}")
+        max_model_len = self.max_model_len or max_position_embeddings
+        if max_model_len > max_position_embeddings:
+            raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {max_position_embeddings}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.load_format not in ("auto", "dummy"):
+            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        budget = parse_bytes(self.gpu_memory_budget)
+        return replace(self, device=device, dtype=dtype, max_model_len=max_model_len, gpu_memory_budget=budget)

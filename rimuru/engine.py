@@ -1,0 +1,158 @@
+"""`Engine`: loads a model onto the page pool and runs scheduling rounds (DESIGN.md section 5).
+
+`step()` is the whole loop: schedule, run, sample, postprocess. Everything else here is start-up wiring and the
+per-request bookkeeping around it (tokenising, stop conditions). Front ends (`LLM`, the HTTP server) call only
+`add_request`, `abort`, `step` and `has_unfinished`.
+"""
+
+import json
+import logging
+import os
+
+import torch
+
+from rimuru.config import EngineConfig
+from rimuru.expert_store import ExpertStore
+from rimuru.kv_cache import KVCacheManager
+from rimuru.memory import MemoryPool, PageAllocator, page_sizes_for_model
+from rimuru.memory_plan import plan_memory
+from rimuru.model_runner import ModelRunner
+from rimuru.models import ModelConfig, from_pretrained
+from rimuru.models.checkpoint import resolve_folder
+from rimuru.request import Request
+from rimuru.sampler import Sampler
+from rimuru.sampling_params import SamplingParams
+from rimuru.scheduler import Scheduler, SchedulerConfig
+from rimuru.stop import StopChecker
+
+logger = logging.getLogger("rimuru")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig):
+        folder = resolve_folder(config.model)
+        model_config = ModelConfig.from_hf(folder)
+        self.config = config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
+        self.device = torch.device(config.device)
+        self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
+                                      config.progress, config.seed)  # fmt: skip
+        self.model_config = self.loaded.config
+        self._build_pool()
+        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.experts.expert_view,
+                                  self.experts.page_tables)  # fmt: skip
+        self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.tokenizer = _load_tokenizer(config.tokenizer or folder)
+        self.stop_checker = StopChecker(self.tokenizer, _eos_token_ids(folder, self.model_config))
+        self.requests: dict[str, Request] = {}
+        self.num_steps = 0
+
+    def _build_pool(self) -> None:
+        cfg, mc = self.config, self.loaded.config
+        sizes = page_sizes_for_model(mc, cfg.dtype, cfg.page_tokens)
+        for note in sizes.notes:
+            logger.warning(note)
+        weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        expert_bytes = len(mc.moe_layer_ids) * mc.num_experts * 3 * sizes.expert_page_bytes
+        self.memory_plan = plan_memory(mc, self.device, cfg.dtype, cfg.gpu_memory_budget, weights, expert_bytes,
+                                       cfg.max_num_batched_tokens, cfg.max_num_seqs)  # fmt: skip
+        self.pool = MemoryPool(sizes, self.memory_plan.pool_bytes, self.device)
+        self.allocator = PageAllocator(sizes, self.pool.num_bytes)
+        self.experts = ExpertStore(self.loaded.experts, mc.num_hidden_layers, self.pool, self.allocator)
+        self.experts.place_all()
+        self.kv_cache = KVCacheManager(self.allocator, mc.num_hidden_layers, cfg.page_tokens, cfg.max_num_seqs,
+                                       cfg.max_model_len)  # fmt: skip
+
+    # ---- requests ----------------------------------------------------------------------------------------------
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as lists of token ids")
+            return self.tokenizer.encode(prompt)
+        if not prompt or not all(isinstance(t, int) and 0 <= t < self.model_config.vocab_size for t in prompt):
+            raise ValueError(f"prompt token ids must be a non-empty list of ints in [0, {self.model_config.vocab_size})")
+        return list(prompt)
+
+    def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
+        """Queue a prompt; returns its `params.n` sequences. ValueError for a prompt that cannot be served."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        token_ids = self.tokenize(prompt)
+        max_tokens = self._max_tokens(len(token_ids), params)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
+        sequences = [Request(sid, token_ids, params, max_tokens, self._generator(params, i)) for i, sid in enumerate(ids)]
+        for sequence in sequences:
+            self.requests[sequence.request_id] = sequence
+            self.scheduler.add(sequence)
+        return sequences
+
+    def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        context = self.config.max_model_len
+        if prompt_len >= context:
+            raise ValueError(f"the prompt has {prompt_len} tokens but the model's context is {context} tokens")
+        capacity = self.kv_cache.max_tokens_per_request
+        if prompt_len >= capacity:
+            raise ValueError(f"the prompt has {prompt_len} tokens but the KV pool holds only {capacity} tokens")
+        return min(params.max_tokens or context, context - prompt_len, capacity - prompt_len)
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.seed is None:
+            return None
+        return torch.Generator(self.device).manual_seed(params.seed + index)
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (and its pages) now; unknown or finished ids are ignored."""
+        request = self.requests.pop(request_id, None)
+        if request is not None and not request.is_finished:
+            self.scheduler.finish(request, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ---- the loop ----------------------------------------------------------------------------------------------
+
+    def step(self) -> list[Request]:
+        """One scheduling round; returns the requests that got a token or finished (finished ones are forgotten)."""
+        batch = self.scheduler.schedule()
+        if not batch.requests:
+            return []
+        logits, rows = self.runner.execute(batch)  # [B', V]
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):
+            request.num_computed_tokens += num_new
+        sampled = [batch.requests[row] for row in rows]
+        tokens, logprobs = self.sampler(logits, sampled)
+        for request, token, logprob in zip(sampled, tokens, logprobs):
+            self._append(request, token, logprob)
+        self.num_steps += 1
+        return sampled
+
+    def _append(self, request: Request, token: int, logprob: dict[int, float] | None) -> None:
+        request.output_token_ids.append(token)
+        if logprob is not None:
+            request.logprobs = (request.logprobs or []) + [logprob]
+        reason, stop_reason = self.stop_checker.check(request)
+        if reason is not None:
+            request.stop_reason = stop_reason
+            self.scheduler.finish(request, reason)
+            self.requests.pop(request.request_id, None)
+
+
+def _load_tokenizer(path: str):
+    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(path)
+
+
+def _eos_token_ids(folder: str, config: ModelConfig) -> set[int]:
+    """EOS ids of config.json and generation_config.json together (chat models end turns with the latter)."""
+    ids = set(config.eos_token_id)
+    path = os.path.join(folder, "generation_config.json")
+    if os.path.exists(path):
+        eos = json.load(open(path)).get("eos_token_id")
+        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    return ids

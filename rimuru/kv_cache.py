@@ -1,0 +1,68 @@
+"""`KVCacheManager`: each request's KV pages, one page table per attention layer, over the shared allocator.
+
+A request holds the same number of pages in every layer. New pages are asked of the `PageAllocator` as one block of
+`new_pages * L` (so they tend to come from one expert page) and dealt out layer by layer:
+
+    ids = [a0 a1 ... a(L-1) | b0 b1 ... b(L-1)]   ->   layer l gets page a_l, then b_l
+    tables[l, slot, i] = page id of the request's i-th page in layer l  (-1 beyond)
+
+The tables live in one host tensor indexed by a per-request slot, so a batch's tables are a single gather.
+"""
+
+import torch
+
+from rimuru.memory import KV, PageAllocator
+
+
+class KVCacheManager:
+    def __init__(self, allocator: PageAllocator, num_layers: int, page_tokens: int, max_slots: int, max_model_len: int):
+        self.allocator = allocator
+        self.num_layers, self.page_tokens = num_layers, page_tokens
+        self.max_pages = -(-max_model_len // page_tokens)
+        self.tables = torch.full((num_layers, max_slots, self.max_pages), -1, dtype=torch.int32)  # [L, slots, P]
+        self._free_slots = list(range(max_slots - 1, -1, -1))
+        self._slot: dict[str, int] = {}
+        self._num_pages: dict[str, int] = {}  # pages per layer held by each request
+        # the longest sequence the pool could hold alone, with what is resident now
+        self.max_tokens_per_request = min(max_model_len, self.num_free_tokens())
+
+    def slot(self, request_id: str) -> int:
+        return self._slot[request_id]
+
+    def num_new_pages(self, request_id: str, num_tokens: int) -> int:
+        """Pages (all layers together) a request must add to hold `num_tokens` tokens. Does not mutate."""
+        have = self._num_pages.get(request_id, 0)
+        return max(0, -(-num_tokens // self.page_tokens) - have) * self.num_layers
+
+    def allocate(self, request_id: str, num_tokens: int) -> bool:
+        """Grow the request's pages to hold `num_tokens`; False (and no change) when the pool cannot."""
+        num_new = self.num_new_pages(request_id, num_tokens)
+        if num_new == 0:
+            return True
+        if request_id not in self._slot and not self._free_slots:
+            return False
+        page_ids = self.allocator.allocate(request_id, num_new, KV)
+        if page_ids is None:
+            return False
+        slot = self._slot.get(request_id)
+        if slot is None:
+            slot = self._slot[request_id] = self._free_slots.pop()
+        have = self._num_pages.get(request_id, 0)
+        per_layer = num_new // self.num_layers
+        block = torch.tensor(page_ids, dtype=torch.int32).view(per_layer, self.num_layers)  # [new, L]
+        self.tables[:, slot, have : have + per_layer] = block.T
+        self._num_pages[request_id] = have + per_layer
+        return True
+
+    def free(self, request_id: str) -> None:
+        """Return every page of the request to the pool; a request holding none is a no-op."""
+        slot = self._slot.pop(request_id, None)
+        if slot is None:
+            return
+        self.allocator.free(request_id)
+        self.tables[:, slot, : self._num_pages.pop(request_id)] = -1
+        self._free_slots.append(slot)
+
+    def num_free_tokens(self) -> int:
+        """Tokens one new request could still store in every layer (a rough capacity for admission checks)."""
+        return self.allocator.num_free_small_pages(KV) // self.num_layers * self.page_tokens

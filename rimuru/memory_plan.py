@@ -1,0 +1,54 @@
+"""How many bytes the page pool gets: the budget minus the weights already on the device and an activation reserve.
+
+`gpu_memory_budget` caps everything the engine takes on the device. Without a budget, a GPU engine takes 90% of
+the memory still free after loading the weights; a CPU engine takes the experts plus 256 MiB for KV.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from rimuru.models import ModelConfig
+
+CPU_DEFAULT_KV_BYTES = 256 * 2**20
+CUDA_FREE_FRACTION = 0.9
+CUDA_WORKSPACE_BYTES = 512 * 2**20  # cuBLAS/Triton workspaces, allocator slack
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    budget_bytes: int | None
+    weights_bytes: int  # non-expert weights on the device
+    activation_bytes: int  # reserved for one forward pass of max_num_batched_tokens
+    pool_bytes: int
+
+
+def activation_bytes(config: ModelConfig, dtype: torch.dtype, max_tokens: int, max_seqs: int) -> int:
+    """A generous estimate of the peak of one forward pass: hidden states, q/k/v, MoE intermediates, logits."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    per_token = 16 * config.hidden_size + 4 * config.num_experts_per_tok * config.moe_intermediate_size
+    per_token += 4 * max(config.intermediate_size, config.shared_expert_intermediate_size)
+    logits = 3 * max_seqs * config.vocab_size * 4
+    return max_tokens * per_token * elem + logits
+
+
+def plan_memory(config: ModelConfig, device: torch.device, dtype: torch.dtype, budget: int | None,
+                weights_bytes: int, expert_bytes: int, max_tokens: int, max_seqs: int) -> MemoryPlan:  # fmt: skip
+    """The pool size; ValueError naming the numbers when the budget cannot hold the weights and activations."""
+    reserve = activation_bytes(config, dtype, max_tokens, max_seqs)
+    if device.type == "cuda":
+        reserve += CUDA_WORKSPACE_BYTES
+    if budget is not None:
+        pool = budget - weights_bytes - reserve
+        if pool <= 0:
+            raise ValueError(
+                f"gpu_memory_budget {budget / 2**30:.2f} GiB cannot hold the non-expert weights "
+                f"({weights_bytes / 2**30:.2f} GiB) and the activation reserve ({reserve / 2**30:.2f} GiB); "
+                f"lower max_num_batched_tokens or raise the budget"
+            )
+    elif device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        pool = int(free * CUDA_FREE_FRACTION) - reserve
+    else:
+        pool = expert_bytes + CPU_DEFAULT_KV_BYTES
+    return MemoryPlan(budget, weights_bytes, reserve, pool)

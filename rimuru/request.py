@@ -1,0 +1,45 @@
+"""`Request`: one sequence's tokens and progress through the engine. Mutated only by the scheduler and engine."""
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from rimuru.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(eq=False)
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_tokens: int  # output tokens allowed: the params' max_tokens capped by the context
+    generator: torch.Generator | None = None  # seeded requests sample from their own generator
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0  # tokens whose K/V are in the cache
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    logprobs: list[dict[int, float]] | None = None
+    num_preemptions: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens [start, end) of prompt + output."""
+        num_prompt = len(self.prompt_token_ids)
+        if end <= num_prompt:
+            return self.prompt_token_ids[start:end]
+        return (self.prompt_token_ids + self.output_token_ids)[start:end]

@@ -1,0 +1,125 @@
+"""`Scheduler`: continuous batching with chunked prefill over the page pool (DESIGN.md section 5, step 1).
+
+Each round: running requests first, in admission order (a decode is one token; an unfinished prefill gets the next
+chunk), then waiting requests while the token budget, `max_num_seqs` and the pool allow. When a running request
+cannot get its pages, the newest running request is preempted: its pages are freed and it waits at the front of
+the queue to be recomputed, prompt and output alike, so its output is exactly what it would have been.
+The KV pages the round was short of are recorded for the adjuster.
+"""
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from rimuru.kv_cache import KVCacheManager
+from rimuru.request import Request, RequestStatus
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_num_seqs: int
+    max_num_batched_tokens: int
+
+
+@dataclass
+class ScheduledBatch:
+    requests: list[Request] = field(default_factory=list)  # in batch order
+    num_new_tokens: list[int] = field(default_factory=list)  # tokens each request computes this round
+    preempted: list[Request] = field(default_factory=list)  # requests sent back to the queue this round
+    kv_shortfall_pages: int = 0  # KV pages (all layers) the round wanted but the pool did not have
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.num_new_tokens)
+
+    def add(self, request: Request, num_new_tokens: int) -> None:
+        self.requests.append(request)
+        self.num_new_tokens.append(num_new_tokens)
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+        self.config = config
+        self.kv_cache = kv_cache
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch:
+        """Choose this round's requests and token counts, allocating their KV pages. Mutates queues and pages."""
+        batch = ScheduledBatch()
+        budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        if not batch.preempted:
+            self._schedule_waiting(batch, budget)
+        return batch
+
+    def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if self._allocate_or_preempt(request, num_new, batch):
+                batch.add(request, num_new)
+                budget -= num_new
+                index += 1
+        return budget
+
+    def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
+        """Pages for `request`, preempting the newest running requests until they fit; False if it was preempted."""
+        target = request.num_computed_tokens + num_new
+        while not self.kv_cache.allocate(request.request_id, target):
+            batch.kv_shortfall_pages += self._shortfall(request, target)
+            victim = self.running[-1]
+            if victim is request and len(self.running) == 1:
+                raise MemoryError(
+                    f"request {request.request_id} needs {target} tokens of KV cache, more than the whole pool holds"
+                )
+            self._preempt(self.running.pop(), batch)
+            if victim is request:
+                return False
+        return True
+
+    def _shortfall(self, request: Request, num_tokens: int) -> int:
+        wanted = self.kv_cache.num_new_pages(request.request_id, num_tokens)
+        return max(0, wanted - self.kv_cache.allocator.num_free_small_pages())
+
+    def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
+        self.kv_cache.free(request.request_id)
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+        batch.preempted.append(request)
+
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not self.kv_cache.allocate(request.request_id, num_new):
+                batch.kv_shortfall_pages += self._shortfall(request, num_new)
+                if not self.running:
+                    raise MemoryError(
+                        f"request {request.request_id} needs {num_new} tokens of KV cache, more than the pool holds"
+                    )
+                return
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.add(request, num_new)
+            budget -= num_new
+
+    def finish(self, request: Request, reason: str) -> None:
+        """Mark a request finished, free its pages and drop it from the queues. Mutates."""
+        request.status = RequestStatus.FINISHED
+        request.finish_reason = reason
+        self.kv_cache.free(request.request_id)
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)

@@ -1,0 +1,38 @@
+"""Fabricated checkpoints of both families and Hugging Face's greedy outputs on them, computed once a session."""
+
+import random
+
+import pytest
+import torch
+import transformers
+
+from rimuru.models import fabricate
+
+NUM_PROMPTS, MAX_TOKENS = 9, 12
+
+
+def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    lengths = [1, 3, 5, 8, 13, 17, 24, 31, 40][:NUM_PROMPTS]
+    return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Hugging Face transformers' greedy `generate`, fp32 on CPU, one prompt at a time, EOS ignored."""
+    model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
+    outputs = []
+    with torch.no_grad():
+        for prompt in prompts:
+            tokens = model.generate(torch.tensor([prompt]), generation_config=config, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+            outputs.append(tokens[0, len(prompt) :].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="session", params=["qwen2_moe", "qwen3_moe"])
+def family(request, tmp_path_factory):
+    """(checkpoint folder, prompts, Hugging Face's greedy outputs) for one family."""
+    arch = request.param
+    folder = fabricate(tmp_path_factory.mktemp(arch), arch=arch, mlp_only_layers=(1,) if arch == "qwen2_moe" else ())
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)
+    return folder, prompts, hf_greedy(folder, prompts, MAX_TOKENS)

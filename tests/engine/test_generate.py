@@ -1,0 +1,76 @@
+"""The offline engine against Hugging Face transformers: same greedy tokens however the batch is formed.
+
+Memory policy and budget change speed, never tokens: chunked prefill, a pool small enough to force preemption, and
+a roomy pool all give Hugging Face's tokens.
+"""
+
+import pytest
+
+from rimuru import LLM, SamplingParams
+from tests.engine.conftest import MAX_TOKENS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+def generate(folder: str, prompts, **options) -> tuple[LLM, list[list[int]]]:
+    llm = LLM(folder, progress=False, **options)
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    return llm, [o.outputs[0].token_ids for o in outputs]
+
+
+def tight_budget(folder: str, num_kv_tokens: int) -> int:
+    """A budget whose pool holds every expert plus KV pages for about `num_kv_tokens` tokens in every layer."""
+    engine = LLM(folder, progress=False).engine
+    plan, sizes, config = engine.memory_plan, engine.pool.sizes, engine.model_config
+    expert_bytes = engine.experts.num_expert_pages * sizes.expert_page_bytes
+    kv_pages = -(-num_kv_tokens // sizes.page_tokens) * config.num_hidden_layers
+    kv_bytes = -(-kv_pages // sizes.kv_pages_per_expert_page) * sizes.expert_page_bytes
+    return plan.weights_bytes + plan.activation_bytes + expert_bytes + kv_bytes
+
+
+def test_greedy_matches_hf(family):
+    folder, prompts, expected = family
+    _, tokens = generate(folder, prompts)
+    assert tokens == expected
+
+
+def test_chunked_prefill_of_seven_tokens_matches_hf(family):
+    folder, prompts, expected = family
+    llm, tokens = generate(folder, prompts, max_num_batched_tokens=7)
+    assert tokens == expected
+    assert llm.engine.num_steps > len(prompts) * MAX_TOKENS / 7  # it really ran in small chunks
+
+
+def test_preemption_keeps_tokens_identical(family):
+    folder, prompts, expected = family
+    longest = max(map(len, prompts)) + MAX_TOKENS
+    llm, tokens = generate(folder, prompts, gpu_memory_budget=tight_budget(folder, 2 * longest))
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert tokens == expected
+    assert llm.engine.allocator.stats()["kv_used_pages"] == 0  # every page came back
+    llm.engine.allocator.check_integrity()
+
+
+def test_requests_added_while_others_run_match_hf(family):
+    folder, prompts, expected = family
+    engine = LLM(folder, progress=False, max_num_seqs=3).engine
+    done = {}
+    for i, prompt in enumerate(prompts):
+        engine.add_request(str(i), prompt, GREEDY)
+        for request in engine.step():
+            if request.is_finished:
+                done[request.request_id] = request.output_token_ids
+    while engine.has_unfinished():
+        done |= {r.request_id: r.output_token_ids for r in engine.step() if r.is_finished}
+    assert [done[str(i)] for i in range(len(prompts))] == expected
+
+
+def test_abort_frees_pages(family):
+    folder, prompts, _ = family
+    engine = LLM(folder, progress=False).engine
+    free_before = engine.allocator.stats()["free_bytes"]
+    engine.add_request("a", prompts[-1], GREEDY)
+    engine.step()
+    assert engine.allocator.stats()["kv_used_pages"] > 0
+    engine.abort("a")
+    assert not engine.has_unfinished() and engine.allocator.stats()["free_bytes"] == free_before
