@@ -1,0 +1,89 @@
+"""The `rimuru` command line: `generate` for a quick try, `fabricate` for a tiny test checkpoint.
+
+Every engine option is a flag (`--gpu-memory-budget 30GiB`, `--max-num-seqs 64`, ...) derived from `EngineConfig`,
+so the command line never falls behind the engine.
+"""
+
+import argparse
+import dataclasses
+import sys
+
+from rimuru.config import EngineConfig
+from rimuru.models.fabricate import EXPERT_LAYOUTS
+
+_ENGINE_FLAG_TYPES = {"max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int, "page_tokens": int,
+                      "seed": int, "router_skew": float}  # fmt: skip
+
+
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """One flag per `EngineConfig` field but `model` and `progress`, with the field's default."""
+    group = parser.add_argument_group("engine")
+    for field in dataclasses.fields(EngineConfig):
+        if field.name in ("model", "progress"):
+            continue
+        flag = "--" + field.name.replace("_", "-")
+        group.add_argument(flag, dest=field.name, type=_ENGINE_FLAG_TYPES.get(field.name, str), default=field.default,
+                           help=f"default: {field.default}")  # fmt: skip
+
+
+def engine_options(args: argparse.Namespace) -> dict:
+    return {f.name: getattr(args, f.name) for f in dataclasses.fields(EngineConfig) if f.name != "model" and hasattr(args, f.name)}
+
+
+def _generate(args: argparse.Namespace) -> None:
+    from rimuru import LLM, SamplingParams
+
+    llm = LLM(args.model, **engine_options(args))
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, max_tokens=args.max_tokens, seed=args.sample_seed)
+    prompts = args.prompt or ["Hello, my name is"]
+    for prompt, output in zip(prompts, llm.generate(prompts, params)):
+        print(f"{prompt}{output.outputs[0].text}")
+
+
+def _fabricate(args: argparse.Namespace) -> None:
+    from rimuru.models.fabricate import fabricate
+
+    print(fabricate(args.out_dir, arch=args.arch, seed=args.seed, num_layers=args.num_layers,
+                    mlp_only_layers=tuple(args.mlp_only_layers), expert_layout=args.expert_layout,
+                    prefix=args.prefix, num_shards=args.num_shards))  # fmt: skip
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="rimuru", description="Serve Qwen MoE models on an elastic GPU page pool.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    generate = commands.add_parser("generate", help="generate text for a few prompts")
+    generate.add_argument("model", help="checkpoint folder or Hugging Face repo id")
+    generate.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
+    generate.add_argument("--max-tokens", type=int, default=32)
+    generate.add_argument("--temperature", type=float, default=0.0)
+    generate.add_argument("--top-p", type=float, default=1.0)
+    generate.add_argument("--sample-seed", type=int, default=None)
+    add_engine_arguments(generate)
+    generate.set_defaults(run=_generate)
+
+    fab = commands.add_parser("fabricate", help="write a tiny random Qwen MoE checkpoint with a tokenizer")
+    fab.add_argument("out_dir")
+    fab.add_argument("--arch", choices=("qwen2_moe", "qwen3_moe"), default="qwen2_moe")
+    fab.add_argument("--seed", type=int, default=0)
+    fab.add_argument("--num-layers", type=int, default=3)
+    fab.add_argument("--mlp-only-layers", type=int, nargs="*", default=[])
+    fab.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="per_expert")
+    fab.add_argument("--prefix", default="model.", help='"model." or "model.language_model."')
+    fab.add_argument("--num-shards", type=int, default=1)
+    fab.set_defaults(run=_fabricate)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        args.run(args)
+    except (ValueError, FileNotFoundError, MemoryError) as error:
+        print(f"rimuru {args.command}: error: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
