@@ -164,7 +164,7 @@ def copy_bandwidth():
     src = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     dst = torch.empty_like(src)
     ms = time_ms(lambda: dst.copy_(src))
-    return 2 * src.numel() / ms / 1e9
+    return 2 * src.numel() / ms / 1e9  # bytes / ms / 1e9 = TB/s
 
 
 def main():
@@ -179,7 +179,7 @@ def main():
         import triton
 
         report |= {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
-                   "commit": os.environ.get("RIMURU_COMMIT", "unknown"), "copy_tb_per_s": copy_bandwidth() / 1e3}
+                   "commit": os.environ.get("RIMURU_COMMIT", "unknown"), "copy_tb_per_s": copy_bandwidth()}
     report["attention_decode"] = bench_attention(device, dtype, args.smoke)
     print_attention(report["attention_decode"])
     report["moe"] = []
