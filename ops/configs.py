@@ -33,12 +33,17 @@ def heuristic_moe_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
     return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
 
 
+def lookup(by_tokens: dict, num_tokens: int) -> dict:
+    """The entry of the largest tuned M not above `num_tokens` (the smallest tuned M below all of them)."""
+    tuned = sorted(int(m) for m in by_tokens)
+    below = [m for m in tuned if m <= num_tokens]
+    return dict(by_tokens[str(below[-1] if below else tuned[0])])
+
+
 def moe_config(num_tokens: int, num_experts: int, num_features: int, hidden_size: int, top_k: int, device) -> dict:
     """Tuned config for this GPU and shape if a table has one, else the heuristic."""
     if torch.device(device).type == "cuda":
         table = load_table(torch.cuda.get_device_name(device)).get(f"E={num_experts},F={num_features},D={hidden_size}")
         if table:
-            tuned_m = [int(m) for m in table]
-            below = [m for m in tuned_m if m <= num_tokens]
-            return dict(table[str(max(below) if below else min(tuned_m))])
+            return lookup(table, num_tokens)
     return heuristic_moe_config(num_tokens, num_experts, top_k)

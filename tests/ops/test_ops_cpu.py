@@ -66,3 +66,15 @@ def test_compile_fullgraph_traces_the_ops(backend):
     expected = _layer(*[a.clone() if a is att.kv_view else a for a in args])
     compiled = torch.compile(_layer, fullgraph=True, backend=backend)
     torch.testing.assert_close(compiled(*args), expected)
+
+
+def test_h200_table_covers_both_models_and_lookup_picks_the_bucket_below():
+    from rimuru.ops.configs import load_table, lookup
+
+    table = load_table("NVIDIA H200")
+    for shape in ("E=128,F=768,D=2048", "E=60,F=1408,D=2048"):
+        assert sorted(int(m) for m in table[shape]) == [2**i for i in range(13)]
+        assert lookup(table[shape], 3000) == table[shape]["2048"]
+        assert lookup(table[shape], 1) == table[shape]["1"]
+        for cfg in table[shape].values():
+            assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= cfg.keys()
