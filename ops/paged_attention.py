@@ -11,7 +11,8 @@ suffice; a program finds its request by binary search and exits when it has no q
     rows of one program:  (q0,h0) (q0,h1) .. (q0,hG-1) (q1,h0) ..       query q sits at position ctx + q
     K/V token n        ->  kv_view[page_table[b, n // S], 0 or 1, n % S, kv_head, :]   (through the view's strides)
 
-Performance: see docs/benchmarks/kernels.md (measured on an H200).
+Performance (H200, bf16, docs/benchmarks/kernels.md): decode of 64 requests x 1024 tokens with Qwen3-30B-A3B heads
+takes 49 us, 2.74 TB/s, 65% of the measured copy bandwidth (no split over the KV length yet).
 """
 
 import torch

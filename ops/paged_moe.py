@@ -11,7 +11,9 @@ Addresses inside the expert view (row stride `stride_page` >= F * D, so padded p
     gate/up element (n, k)  ->  base + page(e, 0 or 1) * stride_page + n * D + k      n < F, k < D
     down    element (n, t)  ->  base + page(e, 2)      * stride_page + n * F + t      n < D, t < F
 
-Performance: see docs/benchmarks/kernels.md (measured on an H200).
+Performance (H200, bf16, docs/benchmarks/kernels.md): both GEMMs over Qwen3-30B-A3B experts take 36 us at one token
+(51% of the memory roofline), 285 us at 64 tokens (99%), 788 us at 4096 (51% of the arithmetic roofline); the paged
+table costs at most 1 us over an identity table up to 1024 tokens.
 """
 
 import torch
