@@ -3,7 +3,8 @@
 Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises with the host and a CUDA graph can hold
 it. On CUDA two Triton launches (per-chunk expert counts, then a scatter that recomputes the prefix it needs):
 11-16 us for up to 4096 pairs on an H200 against 200-500 us for the torch path's ~25 small launches (eager, host
-bound; docs/benchmarks/kernels.json). The torch path (argsort, cumsum, scatter) serves CPU. Both give the same layout, which the interpreter tests check. Does not own the GEMMs (`rimuru.ops.paged_moe`).
+bound; docs/benchmarks/kernels.json). The torch path (argsort, cumsum, scatter) serves CPU. Both give the same
+layout, which the interpreter tests check. Does not own the GEMMs (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
 
