@@ -77,7 +77,8 @@ def test_write_kv():
 
 @pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (8, 128, 16), (520, 60, 32), (130, 60, 16), (700, 128, 64), (300, 5, 128), (9000, 4, 16)])
 def test_align_tokens_layout(num_pairs, num_experts, block_m):
-    topk_ids = torch.randint(0, num_experts, (num_pairs, 1), dtype=torch.int32 if num_pairs % 2 else torch.int64)
+    dtype = torch.int32 if num_pairs % 2 else torch.int64  # both id dtypes the router may hand over
+    topk_ids = torch.randint(0, num_experts, (num_pairs, 1), dtype=dtype)
     sorted_ids, block_expert, num_padded = align_tokens_torch(topk_ids, num_experts, block_m)
     for ref, tri in zip((sorted_ids, block_expert, num_padded), align_tokens_triton(topk_ids, num_experts, block_m)):
         assert torch.equal(ref, tri)
