@@ -75,7 +75,10 @@ def test_write_kv():
     assert torch.isnan(base[:, case.kv_view[0].numel():]).all()
 
 
-@pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (8, 128, 16), (520, 60, 32), (130, 60, 16), (700, 128, 64), (300, 5, 128), (9000, 4, 16)])
+ALIGN_CASES = [(1, 4, 16), (8, 128, 16), (520, 60, 32), (130, 60, 16), (700, 128, 64), (300, 5, 128), (9000, 4, 16)]
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES)
 def test_align_tokens_layout(num_pairs, num_experts, block_m):
     dtype = torch.int32 if num_pairs % 2 else torch.int64  # both id dtypes the router may hand over
     topk_ids = torch.randint(0, num_experts, (num_pairs, 1), dtype=dtype)
