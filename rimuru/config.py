@@ -38,8 +38,24 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     page_tokens: int = DEFAULT_PAGE_TOKENS
     tokenizer: str | None = None  # None: the checkpoint folder
+    expert_policy: str = "elastic"  # "resident" | "fixed" | "elastic" (DESIGN.md section 3)
+    expert_offload_limit: int | None = None  # most experts one layer may offload (elastic); None: a quarter of them
+    offload_per_layer: int | None = None  # experts each layer keeps on the host (fixed); None: a quarter of them
+    expert_ranking: str | None = None  # path of expert_ranking.json; None: beside the checkpoint, else uniform
+    prefetch: bool = True  # predict the next layer's experts and copy them ahead
     seed: int = 0
     progress: bool = True
+
+    def offload_count(self, num_experts: int) -> int:
+        """Experts a layer may offload under this policy (0 for resident); ValueError beyond the layer's experts."""
+        if self.expert_policy == "resident":
+            return 0
+        chosen = self.offload_per_layer if self.expert_policy == "fixed" else self.expert_offload_limit
+        name = "offload_per_layer" if self.expert_policy == "fixed" else "expert_offload_limit"
+        count = num_experts // 4 if chosen is None else chosen
+        if not 0 <= count <= num_experts:
+            raise ValueError(f"{name} must be in [0, {num_experts}] (the experts of a layer), got {count}")
+        return count
 
     def resolve(self, max_position_embeddings: int, checkpoint_dtype: torch.dtype) -> "EngineConfig":
         """A copy with device, dtype, budget and max_model_len filled in; raises ValueError on bad values."""
@@ -57,5 +73,7 @@ class EngineConfig:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.load_format not in ("auto", "dummy"):
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
+        if self.expert_policy not in ("resident", "fixed", "elastic"):
+            raise ValueError(f"expert_policy must be 'resident', 'fixed' or 'elastic', got {self.expert_policy!r}")
         budget = parse_bytes(self.gpu_memory_budget)
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len, gpu_memory_budget=budget)

@@ -11,10 +11,14 @@ import os
 
 import torch
 
+from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig
+from rimuru.expert_manager import ExpertManager
+from rimuru.expert_placement import check_budget, initial_offload
+from rimuru.expert_ranking import find_ranking
 from rimuru.expert_store import ExpertStore
 from rimuru.kv_cache import KVCacheManager
-from rimuru.memory import MemoryPool, PageAllocator, page_sizes_for_model
+from rimuru.memory import KV, MemoryPool, PageAllocator, page_sizes_for_model
 from rimuru.memory_plan import plan_memory
 from rimuru.model_runner import ModelRunner
 from rimuru.models import ModelConfig, from_pretrained
@@ -38,9 +42,15 @@ class Engine:
                                       config.progress, config.seed)  # fmt: skip
         self.model_config = self.loaded.config
         self._build_pool()
-        self.scheduler = Scheduler(SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens), self.kv_cache)
-        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.experts.expert_view,
-                                  self.experts.page_tables)  # fmt: skip
+        self._place_experts(folder)
+        self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
+                                       config.max_num_seqs, config.max_model_len)  # fmt: skip
+        reclaimable_kv = self._reclaimable_expert_pages() * self.allocator.children[KV]
+        # the longest sequence the pool could hold alone, once the adjuster evicted all it may
+        self.max_request_tokens = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV) + reclaimable_kv)
+        scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages)
+        self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager)
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.tokenizer = _load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, _eos_token_ids(folder, self.model_config))
@@ -58,10 +68,36 @@ class Engine:
                                        cfg.max_num_batched_tokens, cfg.max_num_seqs)  # fmt: skip
         self.pool = MemoryPool(sizes, self.memory_plan.pool_bytes, self.device)
         self.allocator = PageAllocator(sizes, self.pool.num_bytes)
+
+    def _place_experts(self, folder: str) -> None:
+        """Host store, ranking, loading buffers and the start-up placement of the configured policy."""
+        cfg, mc = self.config, self.model_config
         self.experts = ExpertStore(self.loaded.experts, mc.num_hidden_layers, self.pool, self.allocator)
-        self.experts.place_all()
-        self.kv_cache = KVCacheManager(self.allocator, mc.num_hidden_layers, cfg.page_tokens, cfg.max_num_seqs,
-                                       cfg.max_model_len)  # fmt: skip
+        count = cfg.offload_count(mc.num_experts)
+        check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes)
+        ranking = find_ranking(folder, cfg.expert_ranking, mc.moe_layer_ids, mc.num_experts)
+        if ranking.is_uniform and count:
+            logger.warning("no expert_ranking.json: experts are offloaded in id order; run `rimuru profile` first")
+        self.adjuster = Adjuster(ranking, count) if cfg.expert_policy == "elastic" else None
+        routers = {layer: self.loaded.model.model.layers[layer].mlp.gate.weight for layer in mc.moe_layer_ids}
+        self.expert_manager = ExpertManager(self.experts, count, routers, mc.num_experts_per_tok, cfg.prefetch)
+        self.experts.place(initial_offload(cfg.expert_policy, count, self.experts, Adjuster(ranking, count)))
+
+    def _reclaimable_expert_pages(self) -> int:
+        """Expert pages the adjuster could still free by evicting (0 unless elastic)."""
+        if self.adjuster is None:
+            return 0
+        limit = self.adjuster.offload_limit * len(self.experts.layer_ids)
+        return (limit - self.experts.num_offloaded) * 3
+
+    @property
+    def expert_stats(self) -> dict:
+        """Counters of expert traffic plus the pool split now, for metrics and the dashboard."""
+        return self.expert_manager.stats.as_dict() | self.allocator.stats() | {
+            "offloaded_experts": self.experts.num_offloaded,
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+        }
 
     # ---- requests ----------------------------------------------------------------------------------------------
 
@@ -93,7 +129,7 @@ class Engine:
         context = self.config.max_model_len
         if prompt_len >= context:
             raise ValueError(f"the prompt has {prompt_len} tokens but the model's context is {context} tokens")
-        capacity = self.kv_cache.max_tokens_per_request
+        capacity = self.max_request_tokens
         if prompt_len >= capacity:
             raise ValueError(f"the prompt has {prompt_len} tokens but the KV pool holds only {capacity} tokens")
         return min(params.max_tokens or context, context - prompt_len, capacity - prompt_len)
@@ -117,6 +153,19 @@ class Engine:
     def step(self) -> list[Request]:
         """One scheduling round; returns the requests that got a token or finished (finished ones are forgotten)."""
         batch = self.scheduler.schedule()
+        self.expert_manager.begin_step(self._adjust(batch.kv_shortfall_pages))
+        try:
+            return self._run(batch)
+        finally:
+            self.expert_manager.end_step()
+
+    def _adjust(self, kv_shortfall_pages: int) -> ChangeList:
+        if self.adjuster is None:
+            return ChangeList()
+        short = self.allocator.expert_pages_for(kv_shortfall_pages)
+        return self.adjuster.adjust(short, self.allocator.num_free_expert_pages, self.experts.offloaded)
+
+    def _run(self, batch) -> list[Request]:
         if not batch.requests:
             return []
         logits, rows = self.runner.execute(batch)  # [B', V]

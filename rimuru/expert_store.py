@@ -1,50 +1,70 @@
-"""`ExpertStore`: routed-expert weights in pool pages and the per-layer expert page tables (DESIGN.md section 3).
+"""`ExpertStore`: where each routed expert lives, host or pool, and the per-layer expert page tables.
 
-The master copy of every expert stays in host memory (`ExpertWeights`, pinned on GPU machines); the store copies
-an expert's three matrices (gate, up, down) into three expert pages and points the layer's page table at them.
-With the `resident` policy every expert is placed at start-up, and the store refuses to start, saying by how
-much, when they do not fit.
+The master copy of every expert stays in host memory (`ExpertWeights`, pinned on GPU machines) and is never copied
+back: evicting an expert only frees its three pages. `page_tables[l, e]` holds the (gate, up, down) page ids of a
+resident expert, or -1 when it is on the host. Mutated only by the engine thread, between and inside steps as the
+`ExpertManager` orders.
 """
 
 import torch
 
-from rimuru.memory import PAGES_PER_EXPERT, MemoryPool, PageAllocator
+from rimuru.expert_copier import ExpertCopier
+from rimuru.memory import EXPERT, PAGES_PER_EXPERT, MemoryPool, PageAllocator
 from rimuru.models import ExpertWeights
 
 
 class ExpertStore:
     def __init__(self, experts: dict[int, ExpertWeights], num_layers: int, pool: MemoryPool, allocator: PageAllocator):
         self.host = experts
-        self.pool, self.allocator = pool, allocator
+        self.layer_ids = sorted(experts)
+        self.allocator = allocator
         self.expert_view = pool.expert_view()  # [P, F * D]
+        self.copier = ExpertCopier(self.expert_view)
         self.num_experts = next(iter(experts.values())).gate.shape[0] if experts else 0
-        # [L, E, 3] page ids of (gate, up, down); -1 where the expert is not in the pool or the layer is dense
+        # [L, E, 3] page ids of (gate, up, down); -1 where the expert is on the host or the layer is dense
         self.page_tables = torch.full((num_layers, max(self.num_experts, 1), 3), -1, dtype=torch.int32, device=pool.device)
+        self.offloaded: dict[int, set[int]] = {layer: set(range(self.num_experts)) for layer in self.layer_ids}
 
     @property
     def num_expert_pages(self) -> int:
-        return len(self.host) * self.num_experts * PAGES_PER_EXPERT
+        """Pages all routed experts take when every one is resident."""
+        return len(self.layer_ids) * self.num_experts * PAGES_PER_EXPERT
 
-    def place_all(self) -> None:
-        """Copy every expert into the pool (the `resident` policy); ValueError with the numbers if they do not fit."""
-        missing = self.num_expert_pages - self.allocator.num_free_expert_pages
+    @property
+    def num_offloaded(self) -> int:
+        return sum(map(len, self.offloaded.values()))
+
+    def place(self, offload: dict[int, set[int]]) -> None:
+        """Start-up: copy every expert not in `offload` into the pool; ValueError with the numbers if they do not fit."""
+        wanted = [(layer, e) for layer in self.layer_ids for e in range(self.num_experts) if e not in offload.get(layer, ())]
+        missing = len(wanted) * PAGES_PER_EXPERT - self.allocator.num_free_expert_pages
         if missing > 0:
             page = self.allocator.sizes.expert_page_bytes
             raise ValueError(
-                f"the routed experts need {self.num_expert_pages} pages of {page} B "
-                f"({self.num_expert_pages * page / 2**30:.2f} GiB) but the pool holds {self.allocator.num_free_expert_pages}: "
-                f"{missing * page / 2**30:.2f} GiB short; raise gpu_memory_budget"
+                f"{len(wanted)} resident experts need {len(wanted) * PAGES_PER_EXPERT} pages of {page} B "
+                f"({len(wanted) * PAGES_PER_EXPERT * page / 2**30:.2f} GiB) but the pool has "
+                f"{self.allocator.num_free_expert_pages} free: {missing * page / 2**30:.2f} GiB short; "
+                f"raise gpu_memory_budget or offload more experts"
             )
-        for layer_idx in self.host:
-            for expert_id in range(self.num_experts):
-                self.load(layer_idx, expert_id)
+        for layer, expert in wanted:
+            page_ids = self.reserve(layer, expert)
+            self.copier.copy(page_ids, self.host[layer].matrices(expert), side_stream=False)
+            self.publish(layer, expert, page_ids)
 
-    def load(self, layer_idx: int, expert_id: int) -> bool:
-        """Copy one expert into fresh pages and publish them in its page table; False if the pool is full."""
-        page_ids = self.allocator.allocate_expert((layer_idx, expert_id))
-        if page_ids is None:
-            return False
-        for page_id, matrix in zip(page_ids, self.host[layer_idx].matrices(expert_id)):
-            self.expert_view[page_id].copy_(matrix.reshape(-1), non_blocking=True)
-        self.page_tables[layer_idx, expert_id] = torch.tensor(page_ids, dtype=torch.int32)
-        return True
+    def reserve(self, layer: int, expert: int) -> list[int] | None:
+        """Three pages for an expert about to be copied in; None when the pool has none."""
+        return self.allocator.allocate_expert((layer, expert))
+
+    def publish(self, layer: int, expert: int, page_ids: list[int]) -> None:
+        """Point the page table at an expert's pages. NOTE: only once its copy has finished (or is ordered before)."""
+        self.page_tables[layer, expert] = torch.tensor(page_ids, dtype=torch.int32)
+        self.offloaded[layer].discard(expert)
+
+    def evict(self, layer: int, expert: int) -> None:
+        """Clear the table entry and free the pages. NOTE: only after the last pass that may read them."""
+        self.page_tables[layer, expert] = -1
+        self.allocator.free((layer, expert))
+        self.offloaded[layer].add(expert)
+
+    def pages_of(self, layer: int, expert: int) -> list[int]:
+        return self.allocator.pages_of((layer, expert), EXPERT)

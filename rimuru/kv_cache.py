@@ -23,8 +23,6 @@ class KVCacheManager:
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._slot: dict[str, int] = {}
         self._num_pages: dict[str, int] = {}  # pages per layer held by each request
-        # the longest sequence the pool could hold alone, with what is resident now
-        self.max_tokens_per_request = min(max_model_len, self.num_free_tokens())
 
     def slot(self, request_id: str) -> int:
         return self._slot[request_id]
@@ -63,6 +61,6 @@ class KVCacheManager:
         self.tables[:, slot, : self._num_pages.pop(request_id)] = -1
         self._free_slots.append(slot)
 
-    def num_free_tokens(self) -> int:
-        """Tokens one new request could still store in every layer (a rough capacity for admission checks)."""
-        return self.allocator.num_free_small_pages(KV) // self.num_layers * self.page_tokens
+    def tokens_in(self, num_small_pages: int) -> int:
+        """Tokens one request can store in every layer with `num_small_pages` KV pages."""
+        return num_small_pages // self.num_layers * self.page_tokens

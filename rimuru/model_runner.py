@@ -6,6 +6,7 @@ Builds every per-step tensor on the host with a few vectorised gathers from the 
 
 import torch
 
+from rimuru.expert_manager import ExpertManager
 from rimuru.kv_cache import KVCacheManager
 from rimuru.models import ForwardContext, QwenMoeForCausalLM
 from rimuru.scheduler import ScheduledBatch
@@ -13,9 +14,8 @@ from rimuru.scheduler import ScheduledBatch
 
 class ModelRunner:
     def __init__(self, model: QwenMoeForCausalLM, kv_cache: KVCacheManager, kv_view: torch.Tensor,
-                 expert_view: torch.Tensor, expert_page_tables: torch.Tensor):  # fmt: skip
-        self.model, self.kv_cache = model, kv_cache
-        self.kv_view, self.expert_view, self.expert_page_tables = kv_view, expert_view, expert_page_tables
+                 experts: ExpertManager):  # fmt: skip
+        self.model, self.kv_cache, self.kv_view, self.experts = model, kv_cache, kv_view, experts
         self.device = kv_view.device
 
     @torch.inference_mode()
@@ -47,16 +47,18 @@ class ModelRunner:
         slot_mappings = pages * page_tokens + positions_t % page_tokens  # [L, T]
         max_pages = -(-max(seq_lens) // page_tokens)
         kv_page_tables = tables[:, slots_t, :max_pages]  # [L, B, P']
-        dev = self.device
+        dev, active = self.device, self.experts.is_active
         ctx = ForwardContext(
             positions=positions_t.to(dev, non_blocking=True),
             query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
             kv_page_tables=kv_page_tables.to(dev, non_blocking=True),
             slot_mappings=slot_mappings.to(dev, non_blocking=True),
-            expert_page_tables=self.expert_page_tables,
+            # with every expert resident the kernels read the resident tables and no hook runs
+            expert_page_tables=self.experts.working_tables if active else self.experts.store.page_tables,
             kv_view=self.kv_view,
-            expert_view=self.expert_view,
+            expert_view=self.experts.store.expert_view,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
+            on_routing=self.experts.on_routing if active else None,
         )
         return torch.tensor(tokens, dtype=torch.int64).to(dev, non_blocking=True), ctx, sample_rows

@@ -4,10 +4,13 @@ Each round: running requests first, in admission order (a decode is one token; a
 chunk), then waiting requests while the token budget, `max_num_seqs` and the pool allow. When a running request
 cannot get its pages, the newest running request is preempted: its pages are freed and it waits at the front of
 the queue to be recomputed, prompt and output alike, so its output is exactly what it would have been.
-The KV pages the round was short of are recorded for the adjuster.
+The KV pages the round was short of are recorded for the adjuster. While the adjuster can still evict experts to
+cover them (`reclaimable_expert_pages`), a request that does not fit simply sits this round out instead of being
+preempted: the evicted experts' pages serve it next round.
 """
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from rimuru.kv_cache import KVCacheManager
@@ -37,9 +40,12 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager):
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
+                 reclaimable_expert_pages: Callable[[], int] = lambda: 0):  # fmt: skip
         self.config = config
         self.kv_cache = kv_cache
+        self.reclaimable_expert_pages = reclaimable_expert_pages
+        self._unmet_pages = 0  # KV pages asked for this round and not granted
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
@@ -53,9 +59,11 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Choose this round's requests and token counts, allocating their KV pages. Mutates queues and pages."""
         batch = ScheduledBatch()
+        self._unmet_pages = 0
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
+        batch.kv_shortfall_pages = max(0, self._unmet_pages - self.kv_cache.allocator.num_free_small_pages())
         return batch
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -63,17 +71,23 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if self._allocate_or_preempt(request, num_new, batch):
+            placed = self._allocate_or_preempt(request, num_new, batch)
+            if placed:
                 batch.add(request, num_new)
                 budget -= num_new
+            if placed or request.status is RequestStatus.RUNNING:  # placed, or sitting this round out
                 index += 1
         return budget
 
     def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
-        """Pages for `request`, preempting the newest running requests until they fit; False if it was preempted."""
+        """Pages for `request`; when short, wait for the adjuster if it can cover the shortfall, else preempt the
+        newest running requests until they fit. False if the request is not scheduled this round."""
         target = request.num_computed_tokens + num_new
+        if self.kv_cache.allocate(request.request_id, target):
+            return True
+        if self._adjuster_can_cover(self.kv_cache.num_new_pages(request.request_id, target)):
+            return False
         while not self.kv_cache.allocate(request.request_id, target):
-            batch.kv_shortfall_pages += self._shortfall(request, target)
             victim = self.running[-1]
             if victim is request and len(self.running) == 1:
                 raise MemoryError(
@@ -84,9 +98,11 @@ class Scheduler:
                 return False
         return True
 
-    def _shortfall(self, request: Request, num_tokens: int) -> int:
-        wanted = self.kv_cache.num_new_pages(request.request_id, num_tokens)
-        return max(0, wanted - self.kv_cache.allocator.num_free_small_pages())
+    def _adjuster_can_cover(self, wanted_pages: int) -> bool:
+        """Record an unmet request for KV pages; True if evicting experts could cover everything unmet so far."""
+        self._unmet_pages += wanted_pages
+        short = self._unmet_pages - self.kv_cache.allocator.num_free_small_pages()
+        return self.kv_cache.allocator.expert_pages_for(short) + 1 <= self.reclaimable_expert_pages()
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         self.kv_cache.free(request.request_id)
@@ -102,7 +118,8 @@ class Scheduler:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             if not self.kv_cache.allocate(request.request_id, num_new):
-                batch.kv_shortfall_pages += self._shortfall(request, num_new)
+                if self._adjuster_can_cover(self.kv_cache.num_new_pages(request.request_id, num_new)):
+                    return
                 if not self.running:
                     raise MemoryError(
                         f"request {request.request_id} needs {num_new} tokens of KV cache, more than the pool holds"

@@ -108,6 +108,10 @@ class PageAllocator:
     def owns(self, owner: Owner) -> bool:
         return owner in self._owned
 
+    def holder(self, page_id: int, kind: str) -> Owner | None:
+        """Who holds a used page (a scan: for checks and debugging, not the hot path)."""
+        return next((o for o, by_kind in self._owned.items() if page_id in by_kind.get(kind, ())), None)
+
     # ---- allocation --------------------------------------------------------------------------------------------
 
     def allocate(self, owner: Owner, num_pages: int, kind: str = KV) -> list[int] | None:

@@ -20,7 +20,7 @@ def generate(folder: str, prompts, **options) -> tuple[LLM, list[list[int]]]:
 
 def tight_budget(folder: str, num_kv_tokens: int) -> int:
     """A budget whose pool holds every expert plus KV pages for about `num_kv_tokens` tokens in every layer."""
-    engine = LLM(folder, progress=False).engine
+    engine = LLM(folder, progress=False, expert_policy="resident").engine
     plan, sizes, config = engine.memory_plan, engine.pool.sizes, engine.model_config
     expert_bytes = engine.experts.num_expert_pages * sizes.expert_page_bytes
     kv_pages = -(-num_kv_tokens // sizes.page_tokens) * config.num_hidden_layers
@@ -44,7 +44,7 @@ def test_chunked_prefill_of_seven_tokens_matches_hf(family):
 def test_preemption_keeps_tokens_identical(family):
     folder, prompts, expected = family
     longest = max(map(len, prompts)) + MAX_TOKENS
-    llm, tokens = generate(folder, prompts, gpu_memory_budget=tight_budget(folder, 2 * longest))
+    llm, tokens = generate(folder, prompts, gpu_memory_budget=tight_budget(folder, 2 * longest), expert_policy="resident")
     assert llm.engine.scheduler.num_preemptions > 0
     assert tokens == expected
     assert llm.engine.allocator.stats()["kv_used_pages"] == 0  # every page came back

@@ -1,0 +1,52 @@
+"""`ExpertCopier`: host -> pool copies of expert matrices, and the events that order them against compute.
+
+On CUDA, copies run on a side stream from pinned host memory and return an event; `wait` makes the compute stream
+wait for it, so a layer never reads a page whose copy has not landed. On CPU a copy is done when it returns and
+events are None, so the same code paths run in the tests.
+"""
+
+import torch
+
+
+class ExpertCopier:
+    def __init__(self, expert_view: torch.Tensor):
+        self.expert_view = expert_view  # [P, F * D]
+        self.is_cuda = expert_view.device.type == "cuda"
+        self.stream = torch.cuda.Stream(expert_view.device) if self.is_cuda else None
+        self.bytes_copied = 0
+
+    def copy(self, page_ids: list[int], matrices, after=None, side_stream: bool = True):
+        """Copy one expert's matrices into `page_ids`; returns the event that marks the copy done (None on CPU).
+
+        `after`: an event the copy must wait for (the last reader of the destination pages). With
+        `side_stream=False` the copy is queued on the compute stream (the miss path, which must finish anyway).
+        """
+        self.bytes_copied += sum(m.numel() * m.element_size() for m in matrices)
+        if not self.is_cuda:
+            self._copy(page_ids, matrices)
+            return None
+        stream = self.stream if side_stream else torch.cuda.current_stream()
+        with torch.cuda.stream(stream):
+            if after is not None:
+                stream.wait_event(after)
+            self._copy(page_ids, matrices)
+            done = torch.cuda.Event()
+            done.record(stream)
+        return done
+
+    def _copy(self, page_ids: list[int], matrices) -> None:
+        for page_id, matrix in zip(page_ids, matrices):
+            self.expert_view[page_id].copy_(matrix.reshape(-1), non_blocking=True)
+
+    def wait(self, event) -> None:
+        """Make the compute stream wait for a copy (no-op on CPU)."""
+        if event is not None:
+            torch.cuda.current_stream().wait_event(event)
+
+    def compute_mark(self):
+        """An event after everything queued on the compute stream so far (None on CPU)."""
+        if not self.is_cuda:
+            return None
+        event = torch.cuda.Event()
+        event.record(torch.cuda.current_stream())
+        return event

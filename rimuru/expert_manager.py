@@ -1,0 +1,152 @@
+"""`ExpertManager`: the GPU side of the change list and the per-layer expert path of one forward pass
+(DESIGN.md section 5, steps 2-4).
+
+Between passes: `begin_step` reserves pages for added experts and starts their copies on the side stream;
+`end_step` publishes additions whose copies have not been published yet and applies evictions, so an evicted
+expert stays readable for the whole pass and its pages serve the next round.
+
+Inside a pass, `on_routing` runs before each MoE layer's kernel:
+  1. the layer's working page table = the resident table, plus finished additions (event wait first);
+  2. routed experts on the host: prefetched ones are hits, the rest are copied now into a loading buffer (misses);
+  3. prediction for the next MoE layer (its router on this layer's input, the Fate idea): its offloaded experts,
+     ranked by predicted tokens, are prefetched into the other buffer on the side stream.
+The two buffers, each `buffer_experts` experts x 3 pages inside the pool, alternate by MoE layer ordinal.
+"""
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import torch
+
+from rimuru.adjuster import ChangeList
+from rimuru.expert_store import ExpertStore
+from rimuru.memory import EXPERT, PAGES_PER_EXPERT
+
+
+@dataclass
+class ExpertStats:
+    evictions: int = 0
+    additions: int = 0
+    prefetched: int = 0  # experts copied ahead on a prediction
+    prefetch_hits: int = 0  # routed host experts found prefetched
+    prefetch_misses: int = 0  # routed host experts copied on demand
+    bytes_copied: int = 0
+    hook_seconds: float = 0.0  # host time inside on_routing (includes waiting for routing results)
+
+    def as_dict(self) -> dict:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Buffer:
+    slots: list[list[int]]  # slot -> the three page ids
+    layer: int | None = None  # the MoE layer whose experts the slots hold now
+    experts: dict[int, int] = field(default_factory=dict)  # expert -> slot
+    ready: object = None  # event: prefetch copies done
+
+
+class ExpertManager:
+    def __init__(self, store: ExpertStore, buffer_experts: int, routers: dict[int, torch.Tensor], top_k: int,
+                 predict: bool = True):  # fmt: skip
+        self.store, self.copier = store, store.copier
+        self.routers, self.top_k = routers, top_k  # MoE layer -> router weight [E, D]; experts per token
+        self.predict = predict
+        self.moe_layers = store.layer_ids
+        self.next_layer = dict(zip(self.moe_layers, self.moe_layers[1:]))
+        self.ordinal = {layer: i for i, layer in enumerate(self.moe_layers)}
+        self.buffers = [self._reserve_buffer(i, buffer_experts) for i in range(2)] if buffer_experts else []
+        self.working_tables = store.page_tables.clone()  # [L, E, 3] what the kernels read this pass
+        self.pending_add: dict[tuple[int, int], tuple[list[int], object]] = {}  # (layer, expert) -> (pages, event)
+        self.pending_evict: list[tuple[int, int]] = []
+        self.stats = ExpertStats()
+
+    def _reserve_buffer(self, index: int, num_experts: int) -> _Buffer:
+        page_ids = self.store.allocator.allocate(("loading-buffer", index), num_experts * PAGES_PER_EXPERT, EXPERT)
+        if page_ids is None:
+            raise ValueError(f"the pool cannot hold two loading buffers of {num_experts} experts")
+        return _Buffer([page_ids[i : i + PAGES_PER_EXPERT] for i in range(0, len(page_ids), PAGES_PER_EXPERT)])
+
+    @property
+    def is_active(self) -> bool:
+        """Whether this pass needs the routing hook: some expert is on the host or on its way in."""
+        return bool(self.store.num_offloaded or self.pending_add)
+
+    # ---- between passes ----------------------------------------------------------------------------------------
+
+    def begin_step(self, changes: ChangeList) -> None:
+        """Reserve and start copying added experts; remember evictions for `end_step`."""
+        for layer, expert in changes.add:
+            page_ids = self.store.reserve(layer, expert)
+            if page_ids is None:
+                break
+            event = self.copier.copy(page_ids, self.store.host[layer].matrices(expert))
+            self.pending_add[(layer, expert)] = (page_ids, event)
+        self.pending_evict = list(changes.evict)
+
+    def end_step(self) -> None:
+        """After the pass: publish what is still pending, then evict (their pages serve the next round)."""
+        for key in list(self.pending_add):
+            self._publish(*key)
+        for layer, expert in self.pending_evict:
+            self.store.evict(layer, expert)
+        self.stats.evictions += len(self.pending_evict)
+        self.pending_evict = []
+        self.stats.bytes_copied = self.copier.bytes_copied
+
+    def _publish(self, layer: int, expert: int) -> None:
+        page_ids, event = self.pending_add.pop((layer, expert))
+        self.copier.wait(event)  # NOTE: the table points at the pages only after their copy
+        self.store.publish(layer, expert, page_ids)
+        self.stats.additions += 1
+
+    # ---- inside a pass -----------------------------------------------------------------------------------------
+
+    def on_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        """Make every expert routed at `layer` readable through `working_tables[layer]` before its kernel runs."""
+        start = time.perf_counter()
+        for key in [k for k in self.pending_add if k[0] == layer]:
+            self._publish(*key)
+        row = self.working_tables[layer]  # [E, 3]
+        row.copy_(self.store.page_tables[layer])
+        routed = set(torch.unique(topk_ids).tolist())  # waits for the router: the one host sync a layer
+        self._load_routed(layer, routed & self.store.offloaded[layer], row)
+        if self.predict and layer in self.next_layer:
+            self._prefetch(self.next_layer[layer], hidden)
+        self.stats.hook_seconds += time.perf_counter() - start
+
+    def _load_routed(self, layer: int, on_host: set[int], row: torch.Tensor) -> None:
+        if not on_host:
+            return
+        buffer = self.buffers[self.ordinal[layer] % 2]
+        if buffer.layer != layer:
+            buffer.layer, buffer.experts = layer, {}
+        self.copier.wait(buffer.ready)
+        hits = on_host & buffer.experts.keys()
+        buffer.experts = {e: buffer.experts[e] for e in hits}  # NOTE: other slots get overwritten below
+        free_slots = [s for s in range(len(buffer.slots)) if s not in buffer.experts.values()]
+        for expert in sorted(on_host - hits):
+            slot = free_slots.pop(0)
+            self.copier.copy(buffer.slots[slot], self.store.host[layer].matrices(expert), side_stream=False)
+            buffer.experts[expert] = slot
+        self.stats.prefetch_hits += len(hits)
+        self.stats.prefetch_misses += len(on_host) - len(hits)
+        for expert in on_host:
+            row[expert] = torch.tensor(buffer.slots[buffer.experts[expert]], dtype=torch.int32)
+
+    def _prefetch(self, layer: int, hidden: torch.Tensor) -> None:
+        """Copy the next layer's predicted host experts into its buffer on the side stream."""
+        on_host = self.store.offloaded[layer]
+        if not on_host:
+            return
+        buffer = self.buffers[self.ordinal[layer] % 2]
+        logits = hidden.float() @ self.routers[layer].float().T  # [T, E]
+        votes = Counter(torch.topk(logits, self.top_k, dim=-1).indices.flatten().tolist())
+        predicted = sorted((e for e in votes if e in on_host), key=lambda e: (-votes[e], e))[: len(buffer.slots)]
+        last_reader = self.copier.compute_mark()  # the previous layer's kernel, queued before this hook
+        buffer.layer, buffer.experts, buffer.ready = layer, {}, None
+        for slot, expert in enumerate(predicted):
+            buffer.experts[expert] = slot
+            buffer.ready = self.copier.copy(buffer.slots[slot], self.store.host[layer].matrices(expert), after=last_reader)
+            last_reader = None
+        self.stats.prefetched += len(predicted)

@@ -1,0 +1,136 @@
+"""Elastic expert offloading: the paper's rule, nomination by ranking, ordering, and the invariant that memory
+policy and budget change speed, never tokens."""
+
+import pytest
+import torch
+
+from rimuru import LLM, SamplingParams
+from rimuru.adjuster import Adjuster, plan_adjustment
+from rimuru.expert_copier import ExpertCopier
+from rimuru.expert_ranking import ExpertRanking
+from rimuru.memory import EXPERT, KV
+from tests.engine.conftest import MAX_TOKENS
+
+GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+
+@pytest.mark.parametrize(
+    "short, free, expected",
+    [(8, 0, (3, 0)), (1, 5, (1, 0)), (0, 1, (1, 0)), (0, 20, (0, 3)), (0, 50, (0, 5)), (0, 2, (0, 0)), (0, 9, (0, 0))],
+)
+def test_plan_adjustment_on_the_papers_numbers(short, free, expected):
+    assert plan_adjustment(short, free) == expected
+
+
+def test_nomination_follows_the_ranking_and_the_limit():
+    ranking = ExpertRanking({0: (0.4, 0.3, 0.2, 0.1), 1: (0.05, 0.15, 0.5, 0.3)})
+    adjuster = Adjuster(ranking, offload_limit=2)
+    # coldest kept: layer 1 expert 0 (0.05), layer 0 expert 3 (0.1), layer 1 expert 1 (0.15); layer 1 then at limit
+    assert adjuster.nominate_evictions(4, {0: set(), 1: set()}) == [(1, 0), (0, 3), (1, 1), (0, 2)]
+    assert adjuster.nominate_evictions(3, {0: {3, 2}, 1: {0}}) == [(1, 1)]  # layer 0 is at its limit
+    assert adjuster.nominate_additions(2, {0: {3, 2}, 1: {0, 1}}) == [(0, 2), (1, 1)]
+    assert adjuster.adjust(8, 0, {0: set(), 1: set()}).evict == [(1, 0), (0, 3), (1, 1)]
+
+
+def budget_for(folder: str, kv_tokens: int, offload: int) -> int:
+    """Room for two loading buffers of `offload` experts, every expert, and KV for `kv_tokens` tokens a layer."""
+    engine = LLM(folder, progress=False, expert_policy="resident").engine
+    plan, sizes, config = engine.memory_plan, engine.pool.sizes, engine.model_config
+    expert_pages = engine.experts.num_expert_pages + 2 * offload * 3
+    kv_pages = -(-kv_tokens // sizes.page_tokens) * config.num_hidden_layers
+    pages = expert_pages + -(-kv_pages // sizes.kv_pages_per_expert_page)
+    return plan.weights_bytes + plan.activation_bytes + pages * sizes.expert_page_bytes
+
+
+def run(folder, prompts, **options):
+    llm = LLM(folder, progress=False, **options)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.engine.allocator.check_integrity()
+    return llm.engine, tokens
+
+
+def test_policies_and_budgets_change_speed_never_tokens(family):
+    folder, prompts, expected = family
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    elastic, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3)
+    stats = elastic.expert_stats
+    assert stats["evictions"] > 0 and stats["additions"] > 0 and stats["prefetch_misses"] > 0
+    assert tokens == expected
+    fixed, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_policy="fixed", offload_per_layer=3)
+    assert fixed.expert_stats["evictions"] == 0 and fixed.experts.num_offloaded > 0
+    assert tokens == expected
+    squeezed, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, 24, 1), expert_offload_limit=1)
+    assert squeezed.scheduler.num_preemptions > 0 and squeezed.expert_stats["evictions"] > 0
+    assert tokens == expected
+
+
+def test_prefetch_predicts_some_experts(family):
+    folder, prompts, expected = family
+    engine, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, 60, 4), expert_policy="fixed",
+                         offload_per_layer=4)  # fmt: skip
+    assert tokens == expected
+    if len(engine.experts.layer_ids) > 1:
+        assert engine.expert_stats["prefetched"] > 0 and engine.expert_stats["prefetch_hits"] > 0
+
+
+class DeferredCopier(ExpertCopier):
+    """Side-stream copies land only when waited for, as on a GPU whose copy is still in flight; like one CUDA
+    stream, waiting for a copy completes every copy queued before it."""
+
+    def __init__(self, expert_view):
+        super().__init__(expert_view)
+        self.in_flight: dict[int, tuple] = {}
+        self.pending_pages: set[int] = set()
+
+    def copy(self, page_ids, matrices, after=None, side_stream=True):
+        if not side_stream:
+            return super().copy(page_ids, matrices, after, side_stream)
+        self.issued = ticket = getattr(self, "issued", 0) + 1
+        self.in_flight[ticket] = (page_ids, matrices)
+        self.pending_pages.update(page_ids)
+        return ticket
+
+    def wait(self, ticket):
+        for earlier in sorted(t for t in self.in_flight if ticket is not None and t <= ticket):
+            page_ids, matrices = self.in_flight.pop(earlier)
+            self._copy(page_ids, matrices)
+            self.pending_pages.difference_update(page_ids)
+
+
+def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family):
+    folder, prompts, expected = family
+    llm = LLM(folder, progress=False, gpu_memory_budget=budget_for(folder, 60, 3), expert_offload_limit=3)
+    engine = llm.engine
+    store, manager, allocator = engine.experts, engine.expert_manager, engine.allocator
+    copier = store.copier = manager.copier = DeferredCopier(store.expert_view)
+    publish, on_routing = store.publish, manager.on_routing
+    checked = []
+
+    def checked_publish(layer, expert, page_ids):
+        assert not copier.pending_pages & set(page_ids), "page table published before the copy finished"
+        publish(layer, expert, page_ids)
+
+    def checked_routing(layer, hidden, topk_ids):
+        on_routing(layer, hidden, topk_ids)
+        for expert in topk_ids.unique().tolist():
+            pages = manager.working_tables[layer, expert].tolist()
+            for page, matrix in zip(pages, store.host[layer].matrices(expert)):
+                assert allocator.holder(page, EXPERT) is not None, f"layer {layer} reads page {page}: free or KV"
+                assert page not in copier.pending_pages, f"layer {layer} reads page {page} before its copy"
+                assert torch.equal(store.expert_view[page], matrix.reshape(-1)), f"page {page} holds another expert"
+        checked.append(layer)
+
+    store.publish, manager.on_routing = checked_publish, checked_routing
+    outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
+    assert [o.outputs[0].token_ids for o in outputs] == expected
+    assert checked and engine.expert_stats["evictions"] > 0 and engine.expert_stats["additions"] > 0
+    assert copier.issued > 0  # side-stream copies really were deferred
+
+
+def test_bad_offload_settings_fail_at_start_with_the_numbers(family):
+    folder = family[0]
+    with pytest.raises(ValueError, match=r"expert_offload_limit must be in \[0, 8\].*got 9"):
+        LLM(folder, progress=False, expert_offload_limit=9)
+    small = budget_for(folder, 0, 0) - 40 * 8192
+    with pytest.raises(ValueError, match=r"loading buffers of 2 experts .* GiB needed"):
+        LLM(folder, progress=False, gpu_memory_budget=small, expert_offload_limit=2)
