@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 test: $(STAMP)
 	$(PY) -m pytest -q tests
 
+# `make serve` serves the tiny model shipped with Rimuru; `make serve MODEL=Qwen/Qwen3-30B-A3B SERVE_ARGS="--port 9000"`
 serve: $(STAMP)
-	$(VENV)/bin/rimuru serve
+	$(VENV)/bin/rimuru serve $(MODEL) $(SERVE_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,4 +1,5 @@
-"""The `rimuru` command line: `generate` for a quick try, `fabricate` for a tiny test checkpoint.
+"""The `rimuru` command line: `serve` for the OpenAI-compatible server, `generate` for a quick try, `fabricate` for
+a tiny test checkpoint.
 
 Every engine option is a flag (`--gpu-memory-budget 30GiB`, `--max-num-seqs 64`, ...) derived from `EngineConfig`,
 so the command line never falls behind the engine.
@@ -6,6 +7,7 @@ so the command line never falls behind the engine.
 
 import argparse
 import dataclasses
+import os
 import sys
 
 from rimuru.config import EngineConfig
@@ -40,6 +42,26 @@ def _generate(args: argparse.Namespace) -> None:
         print(f"{prompt}{output.outputs[0].text}")
 
 
+def _profile(args: argparse.Namespace) -> None:
+    import json
+    import os
+
+    from rimuru.engine import Engine
+    from rimuru.expert_ranking import RANKING_FILE
+    from rimuru.profiler import profile_experts
+
+    engine = Engine(EngineConfig(model=args.model, **engine_options(args)))
+    if args.workload:
+        with open(args.workload) as f:
+            prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][: args.num_prompts]
+    else:
+        prompts = [f"Sample prompt {i}: tell me about topic {i}." for i in range(args.num_prompts)]
+    ranking = profile_experts(engine, prompts, args.max_tokens)
+    out = args.output or os.path.join(engine.loaded.folder, RANKING_FILE)
+    ranking.save(out)
+    print(out)
+
+
 def _fabricate(args: argparse.Namespace) -> None:
     from rimuru.models.fabricate import fabricate
 
@@ -48,9 +70,43 @@ def _fabricate(args: argparse.Namespace) -> None:
                     prefix=args.prefix, num_shards=args.num_shards))  # fmt: skip
 
 
+def _serve(args: argparse.Namespace) -> None:
+    import logging
+
+    from rimuru.serving.server import serve
+
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = {"served_model_names": args.served_model_name, "api_key": args.api_key or None,
+                "max_queued_requests": args.max_queued_requests, "shutdown_timeout": args.shutdown_timeout,
+                "max_body_bytes": args.max_body_bytes}  # fmt: skip
+    serve(args.model, engine_options(args), settings, args.host, args.port, args.log_level)
+
+
+def _add_serve_parser(commands) -> None:
+    serve = commands.add_parser("serve", help="serve the OpenAI-compatible HTTP API, metrics and a memory dashboard")
+    serve.add_argument("model", nargs="?", default=None,
+                       help="checkpoint folder or Hugging Face repo id (default: the tiny model shipped with Rimuru)")
+    group = serve.add_argument_group("server")
+    group.add_argument("--host", default="127.0.0.1")
+    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--api-key", default=os.environ.get("RIMURU_API_KEY"),
+                       help="require `Authorization: Bearer KEY` on /v1 routes (default: $RIMURU_API_KEY)")
+    group.add_argument("--max-queued-requests", type=int, default=None,
+                       help="requests the server holds at once (running and waiting); more get 429")
+    group.add_argument("--shutdown-timeout", type=float, default=30.0,
+                       help="seconds SIGTERM waits for requests in flight before aborting them")
+    group.add_argument("--served-model-name", nargs="+", default=None,
+                       help="names clients use for the model (default: the model argument)")
+    group.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
+    group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    add_engine_arguments(serve)
+    serve.set_defaults(run=_serve)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="rimuru", description="Serve Qwen MoE models on an elastic GPU page pool.")
     commands = parser.add_subparsers(dest="command", required=True)
+    _add_serve_parser(commands)
 
     generate = commands.add_parser("generate", help="generate text for a few prompts")
     generate.add_argument("model", help="checkpoint folder or Hugging Face repo id")
@@ -61,6 +117,15 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--sample-seed", type=int, default=None)
     add_engine_arguments(generate)
     generate.set_defaults(run=_generate)
+
+    prof = commands.add_parser("profile", help="measure each layer's expert popularity into expert_ranking.json")
+    prof.add_argument("model", help="checkpoint folder or Hugging Face repo id")
+    prof.add_argument("--workload", help="a JSONL request stream whose prompt_token_ids are the samples")
+    prof.add_argument("--num-prompts", type=int, default=64)
+    prof.add_argument("--max-tokens", type=int, default=16, help="tokens generated per sample")
+    prof.add_argument("--output", help="where to write the ranking (default: beside the checkpoint)")
+    add_engine_arguments(prof)
+    prof.set_defaults(run=_profile)
 
     fab = commands.add_parser("fabricate", help="write a tiny random Qwen MoE checkpoint with a tokenizer")
     fab.add_argument("out_dir")

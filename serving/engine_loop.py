@@ -1,0 +1,286 @@
+"""`EngineLoop`: the one thread that touches the `Engine`, and the hand-off between it and the event loop.
+
+    event loop (handlers)                     engine thread
+    submit(Submission) --commands queue-->    tokenize / chat template, add_request
+    abort(request_id)  --commands queue-->    engine.abort: its pages return to the pool
+    await sub.queue    <--call_soon_threadsafe-- Accepted | Rejected, then [Delta, ...] each step
+
+A submission is one HTTP request: one or more prompts times `n` sequences, each a *choice* with an index.
+Detokenising happens here too (the tokenizer is engine state); text is held back while it may still turn into a
+stop string or ends in half a UTF-8 character, so streamed text never has to be taken back.
+"""
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+
+from rimuru.engine import Engine
+from rimuru.request import Request
+from rimuru.sampling_params import SamplingParams
+from rimuru.serving.metrics import Metrics
+from rimuru.serving.timeline import Timeline, pool_split
+
+logger = logging.getLogger("rimuru.serving")
+IDLE_WAIT_S = 0.25  # an idle engine thread wakes this often to record a sample
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    token: str
+    logprob: float
+    top: list[tuple[int, str, float]]  # (token id, token, log-probability), most likely first
+
+
+@dataclass
+class Delta:
+    """New output of one choice since the last delta; `text` is the full output once finished (`full_text`)."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprob] | None = None
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    full_text: str | None = None
+
+
+@dataclass
+class Accepted:
+    prompt_token_counts: list[int]
+
+
+@dataclass
+class Rejected:
+    error: Exception
+
+
+@dataclass(eq=False)
+class Submission:
+    request_id: str
+    prompts: list[str | list[int]]  # ignored when `messages` is given
+    params: SamplingParams
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    messages: list[dict] | None = None
+    add_generation_prompt: bool = True
+    arrival: float = field(default_factory=time.monotonic)
+
+    @property
+    def num_choices(self) -> int:
+        return self.params.n * (1 if self.messages is not None else len(self.prompts))
+
+
+@dataclass(eq=False)
+class _Choice:
+    submission: Submission
+    index: int
+    request: Request
+    num_sent_tokens: int = 0
+    num_sent_chars: int = 0
+    last_token_time: float | None = None
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, metrics: Metrics, timeline: Timeline):
+        self.engine, self.metrics, self.timeline = engine, metrics, timeline
+        self._commands: queue.SimpleQueue = queue.SimpleQueue()
+        self._choices: dict[str, _Choice] = {}  # engine request id -> choice
+        self._by_submission: dict[str, list[_Choice]] = {}
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rimuru-engine", daemon=True)
+
+    # ---- any thread --------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stopping.set()
+        self._commands.put(("wake",))
+        self._thread.join(timeout)
+
+    @property
+    def is_alive(self) -> bool:
+        return self._thread.is_alive() and not self._stopping.is_set()
+
+    def submit(self, submission: Submission) -> None:
+        self._commands.put(("add", submission))
+
+    def abort(self, request_id: str) -> None:
+        self._commands.put(("abort", request_id))
+
+    def abort_all(self) -> None:
+        self._commands.put(("abort_all",))
+
+    # ---- the engine thread -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        self._record(force=True)
+        while not self._stopping.is_set():
+            self._drain(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._step()
+            self._record(force=False)
+
+    def _drain(self, block: bool) -> None:
+        try:
+            command = self._commands.get(timeout=IDLE_WAIT_S) if block else self._commands.get_nowait()
+            while True:
+                self._apply(command)
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _apply(self, command: tuple) -> None:
+        kind = command[0]
+        if kind == "add":
+            self._add(command[1])
+        elif kind == "abort":
+            self._abort(command[1], post=False)
+        elif kind == "abort_all":
+            for request_id in list(self._by_submission):
+                self._abort(request_id, post=True)
+
+    def _add(self, sub: Submission) -> None:
+        added: list[Request] = []
+        try:
+            prompts = [self._chat_prompt(sub)] if sub.messages is not None else [self._tokens(p) for p in sub.prompts]
+            for p, token_ids in enumerate(prompts):
+                request_id = sub.request_id if len(prompts) == 1 else f"{sub.request_id}-p{p}"
+                added += self.engine.add_request(request_id, token_ids, sub.params)
+        except Exception as error:  # noqa: BLE001 - any failure rejects this request, never the thread
+            for request in added:
+                self.engine.abort(request.request_id)
+            if not isinstance(error, ValueError):
+                logger.exception("could not add request %s", sub.request_id)
+            _post(sub, Rejected(error))
+            return
+        choices = [_Choice(sub, i, request) for i, request in enumerate(added)]
+        self._by_submission[sub.request_id] = choices
+        self._choices.update((c.request.request_id, c) for c in choices)
+        self.metrics.prompt_tokens.inc(sum(len(t) for t in prompts))
+        _post(sub, Accepted([len(t) for t in prompts]))
+
+    def _tokens(self, prompt: str | list[int]) -> list[int]:
+        token_ids = self.engine.tokenize(prompt)
+        if not token_ids:
+            raise ValueError("prompt must not be empty")
+        return token_ids
+
+    def _chat_prompt(self, sub: Submission) -> list[int]:
+        tokenizer = self.engine.tokenizer
+        if tokenizer is None or not getattr(tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; use /v1/completions")
+        try:
+            token_ids = tokenizer.apply_chat_template(sub.messages, add_generation_prompt=sub.add_generation_prompt)
+        except Exception as error:  # noqa: BLE001 - a template may raise anything on odd input
+            raise ValueError(f"messages: the chat template failed: {error}") from error
+        if isinstance(token_ids, Mapping):  # transformers 5 returns a BatchEncoding
+            token_ids = token_ids["input_ids"]
+        return self._tokens(list(token_ids))
+
+    def _abort(self, request_id: str, post: bool) -> None:
+        for choice in self._by_submission.pop(request_id, []):
+            self.engine.abort(choice.request.request_id)
+            self._choices.pop(choice.request.request_id, None)
+            if post:
+                _post(choice.submission, [Delta(choice.index, "", [], finish_reason="abort", full_text="")])
+
+    def _step(self) -> None:
+        try:
+            updated = self.engine.step()
+        except Exception as error:  # noqa: BLE001 - fail the requests in flight, keep serving
+            logger.exception("engine step failed")
+            for request_id in list(self._by_submission):
+                choices = self._by_submission.pop(request_id)
+                self._abort_choices(choices)
+                _post(choices[0].submission, Rejected(error))
+            return
+        now = time.monotonic()
+        deltas: dict[str, tuple[Submission, list[Delta]]] = {}
+        for request in updated:
+            choice = self._choices.get(request.request_id)
+            if choice is not None:
+                delta = self._delta(choice, now)
+                deltas.setdefault(choice.submission.request_id, (choice.submission, []))[1].append(delta)
+        for sub, items in deltas.values():
+            _post(sub, items)
+
+    def _abort_choices(self, choices: list[_Choice]) -> None:
+        for choice in choices:
+            self.engine.abort(choice.request.request_id)
+            self._choices.pop(choice.request.request_id, None)
+
+    def _delta(self, choice: _Choice, now: float) -> Delta:
+        request, checker = choice.request, self.engine.stop_checker
+        new_tokens = request.output_token_ids[choice.num_sent_tokens :]
+        self._observe_tokens(choice, len(new_tokens), now)
+        logprobs = self._logprobs(request, choice.num_sent_tokens) if request.params.logprobs is not None else None
+        choice.num_sent_tokens = len(request.output_token_ids)
+        if request.is_finished:
+            text = checker.output_text(request)
+            self._finish(choice, now)
+            delta_text = text[choice.num_sent_chars :]
+            return Delta(choice.index, delta_text, new_tokens, logprobs, request.finish_reason, request.stop_reason, text)
+        text = checker.text(request.output_token_ids, request.params.skip_special_tokens)
+        safe = len(text) - max((len(s) - 1 for s in request.params.stop), default=0)
+        while safe > choice.num_sent_chars and text[safe - 1] == "\ufffd":
+            safe -= 1
+        delta_text = text[choice.num_sent_chars : max(safe, choice.num_sent_chars)]
+        choice.num_sent_chars += len(delta_text)
+        return Delta(choice.index, delta_text, new_tokens, logprobs)
+
+    def _observe_tokens(self, choice: _Choice, count: int, now: float) -> None:
+        if count == 0:
+            return
+        if choice.last_token_time is None:
+            self.metrics.time_to_first_token.observe(now - choice.submission.arrival)
+        else:
+            self.metrics.time_per_output_token.observe(now - choice.last_token_time)
+        choice.last_token_time = now
+        self.metrics.generation_tokens.inc(count)
+        self.timeline.add_tokens(count)
+
+    def _finish(self, choice: _Choice, now: float) -> None:
+        self._choices.pop(choice.request.request_id, None)
+        self.metrics.e2e_request_latency.observe(now - choice.submission.arrival)
+        self.metrics.finished(choice.request.finish_reason)
+        request_id = choice.submission.request_id
+        if all(c.request.is_finished for c in self._by_submission.get(request_id, [])):
+            self._by_submission.pop(request_id, None)
+
+    def _logprobs(self, request: Request, start: int) -> list[TokenLogprob]:
+        num_top = request.params.logprobs or 0
+        out = []
+        for token_id, entry in zip(request.output_token_ids[start:], (request.logprobs or [])[start:]):
+            top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
+            out.append(TokenLogprob(token_id, self._token_text(token_id), entry.get(token_id, float("-inf")),
+                                    [(t, self._token_text(t), lp) for t, lp in top]))  # fmt: skip
+        return out
+
+    def _token_text(self, token_id: int) -> str:
+        tokenizer = self.engine.tokenizer
+        return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+
+    def _record(self, force: bool) -> None:
+        if not force and not self.timeline.is_due():
+            return
+        allocator, scheduler = self.engine.allocator, self.engine.scheduler
+        split = pool_split(allocator.stats())
+        obtainable = allocator.num_free_small_pages() if hasattr(allocator, "num_free_small_pages") else 0
+        kv_usage = split["kv_pages"] / max(1, split["kv_pages"] + obtainable)
+        self.metrics.update_engine(self.engine, split, kv_usage)
+        self.timeline.record(split | {"kv_usage": kv_usage}, len(scheduler.running), len(scheduler.waiting))
+
+
+def _post(sub: Submission, item) -> None:
+    """Hand `item` to the submission's asyncio queue from the engine thread; a closed loop means nobody waits."""
+    try:
+        sub.loop.call_soon_threadsafe(sub.queue.put_nowait, item)
+    except RuntimeError:
+        pass

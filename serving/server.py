@@ -1,0 +1,74 @@
+"""`serve`: build the engine, wrap it in the app and run uvicorn with a draining shutdown.
+
+SIGTERM (or Ctrl+C) stops admission (new requests get 503, `/health` turns 503), waits up to `shutdown_timeout`
+seconds for the requests in flight, aborts what is left, then lets uvicorn close. A second signal exits at once.
+"""
+
+import asyncio
+import logging
+import os
+import signal
+from importlib import resources
+
+import uvicorn
+
+from rimuru.config import EngineConfig
+from rimuru.engine import Engine
+from rimuru.serving.app import create_app
+from rimuru.serving.engine_loop import EngineLoop
+from rimuru.serving.generation import Gateway, ServerSettings
+from rimuru.serving.metrics import Metrics
+from rimuru.serving.timeline import Timeline
+
+logger = logging.getLogger("rimuru.serving")
+TINY_MODEL_NAME = "tiny-qwen-moe"
+
+
+def tiny_model_path() -> str:
+    """The tiny fabricated checkpoint shipped inside the package (`rimuru fabricate --arch qwen3_moe`)."""
+    return os.fspath(resources.files("rimuru.serving").joinpath("assets", TINY_MODEL_NAME))
+
+
+def build_app(model: str | None, engine_options: dict, settings: dict):
+    """(app, gateway) for `model` (None: the embedded tiny model); `settings` are `ServerSettings` fields."""
+    path = model or tiny_model_path()
+    names = tuple(settings.pop("served_model_names", None) or (model or TINY_MODEL_NAME,))
+    server_settings = ServerSettings(served_model_names=names, model_path=path, **settings)
+    engine = Engine(EngineConfig(model=path, **engine_options))
+    engine_loop = EngineLoop(engine, Metrics(server_settings.model_name), Timeline())
+    app = create_app(engine_loop, server_settings)
+    return app, app.state.gateway
+
+
+class DrainingServer(uvicorn.Server):
+    def __init__(self, config: uvicorn.Config, gateway: Gateway):
+        super().__init__(config)
+        self.gateway = gateway
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._drain_task: asyncio.Task | None = None
+
+    async def serve(self, sockets=None) -> None:
+        self._loop = asyncio.get_running_loop()
+        await super().serve(sockets)
+
+    def handle_exit(self, sig: int, frame) -> None:
+        if self._drain_task is not None or self._loop is None or sig not in (signal.SIGTERM, signal.SIGINT):
+            return super().handle_exit(sig, frame)
+        logger.info("draining: no new requests, up to %.1f s for %d in flight",
+                    self.gateway.settings.shutdown_timeout, self.gateway.num_in_flight)  # fmt: skip
+        self._drain_task = self._loop.create_task(self._drain())
+
+    async def _drain(self) -> None:
+        if not await self.gateway.drain(self.gateway.settings.shutdown_timeout):
+            logger.warning("shutdown timeout: aborting %d requests", self.gateway.num_in_flight)
+            self.gateway.engine_loop.abort_all()
+            await asyncio.sleep(0.2)  # let the aborted streams send their last chunk
+        self.should_exit = True
+
+
+def serve(model: str | None, engine_options: dict, settings: dict, host: str, port: int, log_level: str = "info") -> None:
+    app, gateway = build_app(model, engine_options, settings)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
+                            lifespan="on")  # fmt: skip
+    logger.info("serving %s on http://%s:%d (dashboard at /dashboard)", gateway.settings.model_name, host, port)
+    DrainingServer(config, gateway).run()
