@@ -30,7 +30,7 @@ def run(llm: LLM, requests: list[dict]) -> dict:
     steps_before = llm.engine.num_steps
     _sync()
     start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=True)
+    outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
     _sync()
     wall = time.perf_counter() - start
     num_output = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -43,6 +43,8 @@ def run(llm: LLM, requests: list[dict]) -> dict:
         "output_tokens_per_s": round(num_output / wall, 1),
         "forward_steps": llm.engine.num_steps - steps_before,
         "preemptions": llm.engine.scheduler.num_preemptions,
+        "peak_running": llm.engine.peak_running,
+        "experts": {k: v for k, v in llm.engine.expert_stats.items() if not k.startswith(("ssm", "conv"))},
     }
 
 
@@ -62,6 +64,7 @@ def main() -> None:
     llm = LLM(args.model, **engine_options(args))
     requests = read_stream(args.stream, args.num_requests)
     run(llm, [dict(r, max_tokens=4) for r in requests[:8]])  # warm-up: kernel compilation and autotuning
+    llm.engine.peak_running = 0
     result = run(llm, requests)
     result |= {
         "model": args.model,
