@@ -125,7 +125,9 @@ class EngineLoop:
             self._drain(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 self._step()
-            self._record(force=False)
+                self._record(force=not self.engine.has_unfinished())  # the idle state shows at once
+            else:
+                self._record(force=False)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -185,11 +187,9 @@ class EngineLoop:
         return self._tokens(list(token_ids))
 
     def _abort(self, request_id: str, post: bool) -> None:
-        for choice in self._by_submission.pop(request_id, []):
-            self.engine.abort(choice.request.request_id)
-            self._choices.pop(choice.request.request_id, None)
-            if post:
-                _post(choice.submission, [Delta(choice.index, "", [], finish_reason="abort", full_text="")])
+        choices = self._abort_choices(self._by_submission.pop(request_id, []))
+        if post and choices:
+            _post(choices[0].submission, [Delta(c.index, "", [], finish_reason="abort", full_text="") for c in choices])
 
     def _step(self) -> None:
         try:
@@ -211,10 +211,14 @@ class EngineLoop:
         for sub, items in deltas.values():
             _post(sub, items)
 
-    def _abort_choices(self, choices: list[_Choice]) -> None:
-        for choice in choices:
+    def _abort_choices(self, choices: list[_Choice]) -> list[_Choice]:
+        """Abort the unfinished ones (their pages return to the pool); returns those."""
+        unfinished = [c for c in choices if not c.request.is_finished]
+        for choice in unfinished:
             self.engine.abort(choice.request.request_id)
             self._choices.pop(choice.request.request_id, None)
+            self.metrics.finished("abort")
+        return unfinished
 
     def _delta(self, choice: _Choice, now: float) -> Delta:
         request, checker = choice.request, self.engine.stop_checker

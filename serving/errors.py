@@ -47,14 +47,18 @@ def _validation_error(_: Request, error: ValidationException) -> Response:
     extra = error.extra if isinstance(error.extra, list) else []
     first = extra[0] if extra and isinstance(extra[0], dict) else {}
     message = first.get("message") or error.detail
-    param = first.get("key") or _param_from_path(message)
+    key = first.get("key")
+    param = _param_from_message(message) or (key if key not in (None, "data", "body") else None)
     return error_response(400, f"{error.detail}: {message}" if message != error.detail else message, param)
 
 
-def _param_from_path(message: str) -> str | None:
-    if "`$." not in message:
-        return None
-    return message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0] or None
+def _param_from_message(message: str) -> str | None:
+    """The top-level field msgspec names: "... - at `$.n`" or "Object missing required field `prompt`"."""
+    if "`$." in message:
+        return message.rsplit("`$.", 1)[1].split("`", 1)[0].split("[", 1)[0].split(".", 1)[0] or None
+    if "field `" in message and "`$" not in message:
+        return message.split("field `", 1)[1].split("`", 1)[0] or None
+    return None
 
 
 def _http_error(_: Request, error: HTTPException) -> Response:

@@ -1,0 +1,127 @@
+"""The official `openai` client against a real server: completions and chat, whole and streamed; greedy output
+through the API equals `LLM.generate`; the SSE framing read raw."""
+
+import json
+
+import httpx
+import openai
+import pytest
+
+from rimuru import LLM, SamplingParams
+
+PROMPTS = ["Once upon a time", "The quick brown fox", "Memory is a pool of pages"]
+MAX_TOKENS = 12
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_model_path):
+    """`LLM.generate`'s greedy outputs for PROMPTS and for the chat prompt, EOS ignored so lengths are fixed."""
+    llm = LLM(tiny_model_path, device="cpu")
+    params = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
+    chat_ids = llm.tokenizer.apply_chat_template([{"role": "user", "content": "Hello"}], add_generation_prompt=True)
+    chat_ids = chat_ids["input_ids"] if isinstance(chat_ids, dict) or hasattr(chat_ids, "keys") else chat_ids
+    outputs = llm.generate(PROMPTS + [list(chat_ids)], params, use_tqdm=False)
+    return [o.outputs[0] for o in outputs]
+
+
+def test_models(client):
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny-qwen-moe"]
+
+
+def test_completion_greedy_equals_llm_generate(client, offline):
+    for prompt, expected in zip(PROMPTS, offline):
+        response = client.completions.create(model="tiny-qwen-moe", prompt=prompt, max_tokens=MAX_TOKENS,
+                                             temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+        choice = response.choices[0]
+        assert choice.text == expected.text and choice.finish_reason == "length"
+        assert response.usage.completion_tokens == MAX_TOKENS and response.usage.prompt_tokens > 0
+
+
+def test_completion_stream_equals_llm_generate(client, offline):
+    stream = client.completions.create(model="tiny-qwen-moe", prompt=PROMPTS[0], max_tokens=MAX_TOKENS,
+                                       temperature=0, stream=True, stream_options={"include_usage": True},
+                                       extra_body={"ignore_eos": True})  # fmt: skip
+    chunks = list(stream)
+    text = "".join(c.choices[0].text for c in chunks if c.choices)
+    assert text == offline[0].text
+    assert chunks[-1].usage.completion_tokens == MAX_TOKENS and not chunks[-1].choices
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "length"
+
+
+def test_token_id_prompt_and_logprobs(client, offline, tiny_model_path):
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(tiny_model_path).encode(PROMPTS[1])
+    response = client.completions.create(model="tiny-qwen-moe", prompt=ids, max_tokens=MAX_TOKENS, temperature=0,
+                                         logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    choice = response.choices[0]
+    assert choice.text == offline[1].text
+    assert len(choice.logprobs.tokens) == MAX_TOKENS and all(lp <= 0 for lp in choice.logprobs.token_logprobs)
+    assert all(len(top) == 2 for top in choice.logprobs.top_logprobs)  # greedy: the sampled token is the top one
+    assert all(max(top.values()) == pytest.approx(lp) for top, lp in zip(choice.logprobs.top_logprobs, choice.logprobs.token_logprobs))
+
+
+def test_chat_greedy_equals_llm_generate(client, offline):
+    response = client.chat.completions.create(model="tiny-qwen-moe", messages=[{"role": "user", "content": "Hello"}],
+                                              max_tokens=MAX_TOKENS, temperature=0, extra_body={"ignore_eos": True})  # fmt: skip
+    assert response.choices[0].message.content == offline[-1].text
+    assert response.choices[0].message.role == "assistant"
+    assert response.usage.completion_tokens == MAX_TOKENS
+
+
+def test_chat_stream_n_and_logprobs(client):
+    stream = client.chat.completions.create(model="tiny-qwen-moe", messages=[{"role": "user", "content": "Hi"}],
+                                            max_tokens=6, n=2, seed=7, stream=True, logprobs=True, top_logprobs=1,
+                                            stream_options={"include_usage": True}, extra_body={"ignore_eos": True})  # fmt: skip
+    content, roles, finish = {0: "", 1: ""}, set(), {}
+    num_logprobs = {0: 0, 1: 0}
+    for chunk in stream:
+        for choice in chunk.choices:
+            roles.add(choice.delta.role) if choice.delta.role else None
+            content[choice.index] += choice.delta.content or ""
+            num_logprobs[choice.index] += len(choice.logprobs.content) if choice.logprobs else 0
+            finish[choice.index] = choice.finish_reason or finish.get(choice.index)
+        if chunk.usage:
+            assert chunk.usage.completion_tokens == 12
+    assert roles == {"assistant"} and finish == {0: "length", 1: "length"} and num_logprobs == {0: 6, 1: 6}
+
+
+def test_seed_reproducible_and_stop_string(client):
+    kwargs = dict(model="tiny-qwen-moe", prompt="Once upon", max_tokens=10, temperature=1.0, seed=123)
+    first, second = (client.completions.create(**kwargs).choices[0].text for _ in range(2))
+    assert first == second
+    greedy = client.completions.create(model="tiny-qwen-moe", prompt="Once upon", max_tokens=10, temperature=0).choices[0]
+    if len(greedy.text) > 3:
+        stop = greedy.text[2:4]
+        stopped = client.completions.create(model="tiny-qwen-moe", prompt="Once upon", max_tokens=10, temperature=0,
+                                            stop=[stop]).choices[0]  # fmt: skip
+        assert stopped.finish_reason == "stop" and stop not in stopped.text and greedy.text.startswith(stopped.text)
+
+
+def test_raw_sse_framing(server):
+    body = {"prompt": "Hello", "max_tokens": 5, "stream": True, "ignore_eos": True, "stream_options": {"include_usage": True}}
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        assert response.status_code == 200 and response.headers["content-type"].startswith("text/event-stream")
+        raw = response.read().decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    events = raw.split("\n\n")[:-1]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events)
+    payloads = [json.loads(e[6:]) for e in events[:-1]]
+    assert all(p["object"] == "text_completion" for p in payloads)
+    assert payloads[-1]["usage"] == {"prompt_tokens": payloads[-1]["usage"]["prompt_tokens"], "completion_tokens": 5,
+                                     "total_tokens": payloads[-1]["usage"]["prompt_tokens"] + 5}  # fmt: skip
+    assert sum(1 for p in payloads if p["choices"] and p["choices"][0]["finish_reason"] == "length") == 1
+
+
+def test_rejected_stream_is_never_a_200(server):
+    body = {"prompt": [5] * 200, "max_tokens": 5, "stream": True}  # longer than --max-model-len 128
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.headers["content-type"].startswith("application/json")
+    message = response.json()["error"]["message"]
+    assert "200" in message and "128" in message
