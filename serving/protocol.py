@@ -12,12 +12,11 @@ from msgspec import Meta
 from rimuru.sampling_params import SamplingParams
 
 MAX_N = 128
-MAX_SEED = 2**63 - 1 - MAX_N  # seeded sequences use seed + index; torch takes up to 2**64 - 1
+MAX_SEED = 2**63 - 1 - MAX_N  # seeded sequences use seed + index; torch takes [-2**63, 2**64)
 
 PositiveInt = Annotated[int, Meta(ge=1)]
-Seed = Annotated[int, Meta(ge=0, le=MAX_SEED)]
+Seed = Annotated[int, Meta(ge=-(2**63), le=MAX_SEED)]
 TopLogprobs = Annotated[int, Meta(ge=0, le=20)]
-TokenId = Annotated[int, Meta(ge=0)]
 
 
 class StreamOptions(msgspec.Struct, kw_only=True):
@@ -30,13 +29,14 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     model: str | None = None  # None: the served model
     max_tokens: PositiveInt | None = None
     n: Annotated[int, Meta(ge=1, le=MAX_N)] = 1
-    temperature: Annotated[float, Meta(ge=0)] | None = None
-    top_p: Annotated[float, Meta(gt=0, le=1)] | None = None
-    top_k: Annotated[int, Meta(ge=-1)] | None = None
-    min_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    # NOTE: non-optional with defaults: Litestar drops zero-valued bounds of optional fields from the OpenAPI schema
+    temperature: Annotated[float, Meta(ge=0)] = 1.0
+    top_p: Annotated[float, Meta(gt=0, le=1)] = 1.0
+    top_k: Annotated[int, Meta(ge=-1)] = 0
+    min_p: Annotated[float, Meta(ge=0, le=1)] = 0.0
     seed: Seed | None = None
     stop: str | list[str] | None = None
-    stop_token_ids: list[TokenId] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: Annotated[int, Meta(ge=0)] = 0
     skip_special_tokens: bool = True
@@ -46,9 +46,6 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 
     def sampling_params(self, logprobs: int | None, max_tokens: int | None) -> SamplingParams:
         """ValueError naming the field when a value is out of range."""
-        given = {
-            "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k, "min_p": self.min_p,
-        }  # fmt: skip
         return SamplingParams(
             n=self.n,
             max_tokens=max_tokens,
@@ -59,7 +56,10 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            **{name: value for name, value in given.items() if value is not None},
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
         )
 
     @property
@@ -70,7 +70,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
 class CompletionRequest(_SamplingFields, kw_only=True):
     """POST /v1/completions. `prompt`: a string, a list of token ids, or a list of those (one choice group each)."""
 
-    prompt: str | list[str | TokenId | list[TokenId]]
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[str | int | list[int]], Meta(min_length=1)]
     logprobs: TopLogprobs | None = None
 
     def prompts(self) -> list[str | list[int]]:
