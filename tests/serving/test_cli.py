@@ -16,3 +16,16 @@ def test_fabricate_then_generate(tmp_path, capsys):
 def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_serve_flags(capsys):
+    from rimuru.serving.cli import build_parser
+    from rimuru.serving.server import tiny_model_path
+
+    args = build_parser().parse_args(["serve", "--max-num-seqs", "8", "--api-key", "k", "--max-queued-requests", "3"])
+    assert args.model is None and args.host == "127.0.0.1" and args.port == 8000 and args.max_num_seqs == 8
+    assert args.api_key == "k" and args.max_queued_requests == 3 and args.shutdown_timeout == 30.0
+    import os
+
+    assert os.path.isfile(os.path.join(tiny_model_path(), "model.safetensors"))
+    assert os.path.isfile(os.path.join(tiny_model_path(), "tokenizer.json"))

@@ -6,7 +6,7 @@ const POLL_MS = 500;
 const MIB = 1024 * 1024;
 const COLORS = {
   expert_bytes: "#e8702a", kv_bytes: "#1f77d4", trapped_bytes: "#9b59b6", free_bytes: "#d9dde3",
-  running: "#2ca02c", waiting: "#d62728", tokens_per_s: "#1f77d4",
+  running: "#2ca02c", waiting: "#d62728", tokens_per_s: "#8c564b",
 };
 const LABELS = {
   expert_bytes: "experts", kv_bytes: "KV cache", trapped_bytes: "trapped", free_bytes: "free",
