@@ -13,19 +13,25 @@ import sys
 from rimuru.config import EngineConfig
 from rimuru.models.fabricate import EXPERT_LAYOUTS
 
-_ENGINE_FLAG_TYPES = {"max_num_seqs": int, "max_num_batched_tokens": int, "max_model_len": int, "page_tokens": int,
-                      "seed": int, "router_skew": float}  # fmt: skip
-
-
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per `EngineConfig` field but `model` and `progress`, with the field's default."""
     group = parser.add_argument_group("engine")
+    hints = typing.get_type_hints(EngineConfig)
     for field in dataclasses.fields(EngineConfig):
         if field.name in ("model", "progress"):
             continue
         flag = "--" + field.name.replace("_", "-")
-        group.add_argument(flag, dest=field.name, type=_ENGINE_FLAG_TYPES.get(field.name, str), default=field.default,
-                           help=f"default: {field.default}")  # fmt: skip
+        kind = _flag_type(hints[field.name])
+        if kind is bool:
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
+        else:
+            group.add_argument(flag, dest=field.name, type=kind, default=field.default, help=f"default: {field.default}")
+
+
+def _flag_type(hint) -> type:
+    """int for `int | None`, float for `float`, str for anything else (torch dtypes and sizes are parsed later)."""
+    options = typing.get_args(hint) or (hint,)
+    return next((t for t in (bool, int, float) if t in options), str)
 
 
 def engine_options(args: argparse.Namespace) -> dict:

@@ -29,3 +29,13 @@ def test_serve_flags(capsys):
 
     assert os.path.isfile(os.path.join(tiny_model_path(), "model.safetensors"))
     assert os.path.isfile(os.path.join(tiny_model_path(), "tokenizer.json"))
+
+
+def test_engine_flags_parse_to_the_config_types():
+    from rimuru.serving.cli import build_parser, engine_options
+
+    args = build_parser().parse_args(["generate", "m", "--expert-offload-limit", "8", "--router-skew", "1.5",
+                                      "--gpu-memory-budget", "30GiB", "--no-prefetch", "--max-num-seqs", "4"])  # fmt: skip
+    options = engine_options(args)
+    assert options["expert_offload_limit"] == 8 and options["router_skew"] == 1.5 and options["max_num_seqs"] == 4
+    assert options["gpu_memory_budget"] == "30GiB" and options["prefetch"] is False and options["offload_per_layer"] is None
