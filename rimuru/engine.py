@@ -56,6 +56,7 @@ class Engine:
         self.stop_checker = StopChecker(self.tokenizer, _eos_token_ids(folder, self.model_config))
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
+        self.peak_running = 0  # most requests running at once so far
 
     def _build_pool(self) -> None:
         cfg, mc = self.config, self.loaded.config
@@ -153,6 +154,7 @@ class Engine:
     def step(self) -> list[Request]:
         """One scheduling round; returns the requests that got a token or finished (finished ones are forgotten)."""
         batch = self.scheduler.schedule()
+        self.peak_running = max(self.peak_running, len(self.scheduler.running))
         self.expert_manager.begin_step(self._adjust(batch.kv_shortfall_pages))
         try:
             return self._run(batch)

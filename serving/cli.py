@@ -9,6 +9,7 @@ import argparse
 import dataclasses
 import os
 import sys
+import typing
 
 from rimuru.config import EngineConfig
 from rimuru.models.fabricate import EXPERT_LAYOUTS
