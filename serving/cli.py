@@ -30,9 +30,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def _flag_type(hint) -> type:
-    """int for `int | None`, float for `float`, str for anything else (torch dtypes and sizes are parsed later)."""
+    """int for `int | None`, float for `float`; str whenever a string is allowed (sizes, dtypes: parsed later)."""
     options = typing.get_args(hint) or (hint,)
-    return next((t for t in (bool, int, float) if t in options), str)
+    return next((t for t in (str, bool, int, float) if t in options), str)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
