@@ -29,6 +29,7 @@ def run(llm: LLM, requests: list[dict]) -> dict:
     prompts = [r["prompt_token_ids"] for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True) for r in requests]
     steps_before = llm.engine.num_steps
+    experts_before = llm.engine.expert_stats
     _sync()
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=sys.stderr.isatty())
@@ -46,6 +47,7 @@ def run(llm: LLM, requests: list[dict]) -> dict:
         "preemptions": llm.engine.scheduler.num_preemptions,
         "peak_running": llm.engine.peak_running,
         "experts": {k: v for k, v in llm.engine.expert_stats.items() if not k.startswith(("ssm", "conv"))},
+        "bytes_copied_during_run": llm.engine.expert_stats["bytes_copied"] - experts_before["bytes_copied"],
     }
 
 
@@ -74,7 +76,8 @@ def main() -> None:
         "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
         "peak_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
         "torch": torch.__version__,
-        "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip(),
+        "commit": os.environ.get("RIMURU_COMMIT") or subprocess.run(["git", "rev-parse", "--short", "HEAD"],
+                                                                     capture_output=True, text=True).stdout.strip(),
         "command": " ".join(sys.argv),
     }
     print(json.dumps(result, indent=1))
