@@ -94,7 +94,9 @@ class Engine:
     @property
     def expert_stats(self) -> dict:
         """Counters of expert traffic plus the pool split now, for metrics and the dashboard."""
+        buffer_pages = sum(len(b.slots) for b in self.expert_manager.buffers) * 3
         return self.expert_manager.stats.as_dict() | self.allocator.stats() | {
+            "buffer_pages": buffer_pages,  # loading buffers, counted in expert_used_pages too
             "offloaded_experts": self.experts.num_offloaded,
             "running": len(self.scheduler.running),
             "waiting": len(self.scheduler.waiting),

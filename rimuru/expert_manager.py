@@ -32,7 +32,7 @@ class ExpertStats:
     prefetch_hits: int = 0  # routed host experts found prefetched
     prefetch_misses: int = 0  # routed host experts copied on demand
     bytes_copied: int = 0
-    hook_seconds: float = 0.0  # host time inside on_routing (includes waiting for routing results)
+    hook_seconds: float = 0.0  # host time inside on_routing: waiting for routing results and copies, predicting
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)

@@ -134,3 +134,9 @@ def test_bad_offload_settings_fail_at_start_with_the_numbers(family):
     small = budget_for(folder, 0, 0) - 40 * 8192
     with pytest.raises(ValueError, match=r"loading buffers of 2 experts .* GiB needed"):
         LLM(folder, progress=False, gpu_memory_budget=small, expert_offload_limit=2)
+
+
+def test_resident_refuses_a_budget_that_cannot_hold_the_experts(family):
+    folder = family[0]
+    with pytest.raises(ValueError, match=r"resident experts need \d+ pages .* GiB short"):
+        LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget_for(folder, 0, 0) - 10 * 8192)
