@@ -44,19 +44,17 @@ def _gateway(request: Request) -> Gateway:
 @get("/models", summary="List the served model")
 async def list_models(request: Request) -> dict:
     gateway = _gateway(request)
-    engine = gateway.engine_loop.engine
-    created = request.app.state.started
+    created, max_model_len = request.app.state.started, gateway.engine_loop.max_model_len
     cards = [{"id": name, "object": "model", "created": created, "owned_by": "rimuru", "root": gateway.settings.model_path,
-              "parent": None, "max_model_len": engine.config.max_model_len} for name in gateway.settings.served_model_names]  # fmt: skip
+              "parent": None, "max_model_len": max_model_len} for name in gateway.settings.served_model_names]  # fmt: skip
     return {"object": "list", "data": cards}
 
 
 @get("/memory", summary="The page pool's split over time (the dashboard's data)")
 async def memory(request: Request) -> dict:
     gateway = _gateway(request)
-    plan = gateway.engine_loop.engine.memory_plan
     snapshot = gateway.engine_loop.timeline.snapshot()
-    return snapshot | {"pool_bytes": plan.pool_bytes, "model": gateway.settings.model_name}
+    return snapshot | {"pool_bytes": gateway.engine_loop.pool_bytes, "model": gateway.settings.model_name}
 
 
 @get("/health", summary="200 while serving, 503 while draining or when the engine thread has stopped")
@@ -110,8 +108,7 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings) -> Litestar:
 
     @asynccontextmanager
     async def lifespan(app: Litestar):
-        if not engine_loop.is_alive:
-            engine_loop.start()
+        engine_loop.start()  # a no-op when the command line started it already
         try:
             yield
         finally:
@@ -127,6 +124,7 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings) -> Litestar:
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Rimuru", version=_package_version(), path="/",
                                      render_plugins=[JsonRenderPlugin(path="/openapi.json")]),  # fmt: skip
+        logging_config=None,  # the command line configures logging; Litestar's default would override its level
         debug=False,
     )
     app.state.gateway = Gateway(engine_loop, settings)

@@ -15,7 +15,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from rimuru.engine import Engine
@@ -86,8 +86,14 @@ class _Choice:
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, metrics: Metrics, timeline: Timeline):
-        self.engine, self.metrics, self.timeline = engine, metrics, timeline
+    def __init__(self, make_engine: Callable[[], Engine], metrics: Metrics, timeline: Timeline):
+        """`make_engine` runs on the engine thread, so no other thread ever touches the engine, its construction
+        (CUDA streams, the current device) included."""
+        self.make_engine, self.metrics, self.timeline = make_engine, metrics, timeline
+        self.engine: Engine | None = None
+        self.max_model_len = self.pool_bytes = 0  # copied out at start for the event loop's routes
+        self._ready = threading.Event()
+        self._start_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._choices: dict[str, _Choice] = {}  # engine request id -> choice
         self._by_submission: dict[str, list[_Choice]] = {}
@@ -97,7 +103,12 @@ class EngineLoop:
     # ---- any thread --------------------------------------------------------------------------------------------
 
     def start(self) -> None:
-        self._thread.start()
+        """Start the thread (once) and wait until it has built the engine; re-raises what building it raised."""
+        if not self._thread.is_alive() and not self._ready.is_set():
+            self._thread.start()
+        self._ready.wait()
+        if self._start_error is not None:
+            raise self._start_error
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stopping.set()
@@ -120,14 +131,29 @@ class EngineLoop:
     # ---- the engine thread -------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        self._record(force=True)
+        try:
+            self.engine = self.make_engine()
+            self.max_model_len, self.pool_bytes = self.engine.config.max_model_len, self.engine.memory_plan.pool_bytes
+            self._record(force=True)
+        except BaseException as error:  # noqa: BLE001 - handed to start()
+            self._start_error = error
+            return
+        finally:
+            self._ready.set()
         while not self._stopping.is_set():
-            self._drain(block=not self.engine.has_unfinished())
-            if self.engine.has_unfinished():
-                self._step()
-                self._record(force=not self.engine.has_unfinished())  # the idle state shows at once
-            else:
-                self._record(force=False)
+            try:
+                self._round()
+            except Exception:  # noqa: BLE001 - the thread must outlive any one bad round
+                logger.exception("engine loop round failed")
+                time.sleep(0.01)
+
+    def _round(self) -> None:
+        self._drain(block=not self.engine.has_unfinished())
+        if self.engine.has_unfinished():
+            self._step()
+            self._record(force=not self.engine.has_unfinished())  # the idle state shows at once
+        else:
+            self._record(force=False)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -34,8 +34,9 @@ def build_app(model: str | None, engine_options: dict, settings: dict):
     path = model or tiny_model_path()
     names = tuple(settings.pop("served_model_names", None) or (model or TINY_MODEL_NAME,))
     server_settings = ServerSettings(served_model_names=names, model_path=path, **settings)
-    engine = Engine(EngineConfig(model=path, **engine_options))
-    engine_loop = EngineLoop(engine, Metrics(server_settings.model_name), Timeline())
+    engine_loop = EngineLoop(lambda: Engine(EngineConfig(model=path, **engine_options)),
+                             Metrics(server_settings.model_name), Timeline())  # fmt: skip
+    engine_loop.start()  # load errors surface here, before the port is bound
     app = create_app(engine_loop, server_settings)
     return app, app.state.gateway
 
