@@ -69,6 +69,42 @@ def _profile(args: argparse.Namespace) -> None:
     print(out)
 
 
+def _bench(args: argparse.Namespace) -> None:
+    import json
+
+    import torch
+
+    from rimuru.benchmark import read_stream, run_benchmark
+    from rimuru.engine import Engine
+
+    requests = read_stream(args.stream, args.num_requests)
+    if args.rate is not None:
+        requests = _with_rate(requests, args.rate, args.seed)
+    engine = Engine(EngineConfig(model=args.model, **engine_options(args)))
+    warmup = [dict(r, id=f"warmup-{i}", arrival=0.0, max_tokens=2) for i, r in enumerate(requests[: args.warmup])]
+    run_benchmark(engine, warmup, progress=False)  # kernel compilation and autotuning stay out of the numbers
+    record = run_benchmark(engine, requests, progress=not args.quiet)
+    record |= {"model": args.model, "stream": args.stream, "rate": args.rate, "engine": engine_options(args),
+               "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+               "torch": torch.__version__, "pool_bytes": engine.pool.num_bytes,
+               "kv_pages_per_expert_page": engine.pool.sizes.kv_pages_per_expert_page}  # fmt: skip
+    with open(args.out, "w") as f:
+        json.dump(record, f, indent=1, default=str)
+    summary = {k: v for k, v in record.items() if k not in ("series", "engine")}
+    print(json.dumps(summary, indent=1, default=str))
+
+
+def _with_rate(requests: list[dict], rate: float, seed: int) -> list[dict]:
+    """Re-time a stream with Poisson arrivals at `rate` requests/s (0: all at once)."""
+    import random
+
+    rng, t, out = random.Random(seed), 0.0, []
+    for request in requests:
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+        out.append(dict(request, arrival=round(t, 4)))
+    return out
+
+
 def _fabricate(args: argparse.Namespace) -> None:
     from rimuru.models.fabricate import fabricate
 
@@ -133,6 +169,17 @@ def build_parser() -> argparse.ArgumentParser:
     prof.add_argument("--output", help="where to write the ranking (default: beside the checkpoint)")
     add_engine_arguments(prof)
     prof.set_defaults(run=_profile)
+
+    bench = commands.add_parser("bench", help="replay a request stream offline and write a JSON record")
+    bench.add_argument("model", help="checkpoint folder, or a folder with config.json for --load-format dummy")
+    bench.add_argument("--stream", required=True, help="JSONL: id, arrival, prompt_token_ids, max_tokens a line")
+    bench.add_argument("--num-requests", type=int, default=None, help="use the first N requests")
+    bench.add_argument("--rate", type=float, default=None, help="re-time arrivals as Poisson at this rate (0: at once)")
+    bench.add_argument("--out", default="bench.json", help="where to write the record")
+    bench.add_argument("--warmup", type=int, default=8, help="short requests run before timing")
+    bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    add_engine_arguments(bench)
+    bench.set_defaults(run=_bench)
 
     fab = commands.add_parser("fabricate", help="write a tiny random Qwen MoE checkpoint with a tokenizer")
     fab.add_argument("out_dir")

@@ -1,0 +1,117 @@
+"""`run_benchmark`: replay a request stream against the engine in real time and record what a user would see.
+
+Each request is submitted at its arrival time (seconds from the start; 0 for all = a throughput run), greedy with
+EOS ignored so its output length is the stream's `max_tokens`. The record holds throughput, TTFT / TPOT / ITL
+statistics, concurrency, the engine's expert traffic, the peak reserved GPU memory (proof that the budget held)
+and a per-step time series of the pool split and the queues. The stream format is one JSON object a line:
+{"id", "arrival", "prompt_token_ids", "max_tokens"}.
+"""
+
+import json
+import statistics
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+from rimuru.engine import Engine
+from rimuru.sampling_params import SamplingParams
+
+
+def read_stream(path: str, limit: int | None = None) -> list[dict]:
+    with open(path) as f:
+        requests = [json.loads(line) for line in f if line.strip()]
+    return sorted(requests[:limit] if limit else requests, key=lambda r: r["arrival"])
+
+
+class _Clock:
+    """Per-request times: arrival, each token."""
+
+    def __init__(self):
+        self.arrival: dict[str, float] = {}
+        self.tokens: dict[str, list[float]] = {}
+
+
+def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True) -> dict:
+    """Replay `requests`; returns the record (see the module docstring). Mutates the engine's queues only."""
+    clock, series = _Clock(), []
+    pending, start = list(requests), time.perf_counter()
+    steps_before, copied_before = engine.num_steps, engine.expert_stats["bytes_copied"]
+    with tqdm(total=len(requests), desc="Benchmark", unit="req", disable=not progress) as bar:
+        while pending or engine.has_unfinished():
+            now = time.perf_counter() - start
+            while pending and pending[0]["arrival"] <= now:
+                _submit(engine, pending.pop(0), clock, now)
+            if not engine.has_unfinished():
+                time.sleep(max(0.0, pending[0]["arrival"] - now))
+                continue
+            updated = engine.step()
+            now = time.perf_counter() - start
+            for request in updated:
+                clock.tokens.setdefault(request.request_id, []).append(now)
+            bar.update(sum(r.is_finished for r in updated))
+            series.append(_sample(engine, now, sum(1 for _ in updated)))
+    wall = time.perf_counter() - start
+    return _record(engine, requests, clock, series, wall, steps_before, copied_before)
+
+
+def _submit(engine: Engine, request: dict, clock: _Clock, now: float) -> None:
+    params = SamplingParams(temperature=0, max_tokens=request["max_tokens"], ignore_eos=True)
+    engine.add_request(request["id"], request["prompt_token_ids"], params)
+    clock.arrival[request["id"]] = now
+
+
+def _sample(engine: Engine, now: float, num_tokens: int) -> dict:
+    stats = engine.allocator.stats()
+    return {
+        "t": round(now, 4),
+        "running": len(engine.scheduler.running),
+        "waiting": len(engine.scheduler.waiting),
+        "tokens": num_tokens,
+        "expert_pages": stats["expert_used_pages"],
+        "kv_pages": stats["kv_used_pages"],
+        "free_expert_pages": stats["free_expert_pages"],
+        "trapped_kv_pages": stats["kv_trapped_pages"],
+        "offloaded_experts": engine.experts.num_offloaded,
+    }
+
+
+def _record(engine: Engine, requests, clock: _Clock, series, wall, steps_before, copied_before) -> dict:
+    ttft = [clock.tokens[r][0] - clock.arrival[r] for r in clock.arrival]
+    tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in clock.tokens.values() if len(t) > 1]
+    itl = [b - a for t in clock.tokens.values() for a, b in zip(t, t[1:])]
+    output_tokens = sum(len(t) for t in clock.tokens.values())
+    experts = engine.expert_stats
+    lookups = experts["prefetch_hits"] + experts["prefetch_misses"]
+    return {
+        "requests": len(requests),
+        "output_tokens": output_tokens,
+        "wall_s": round(wall, 3),
+        "output_tokens_per_s": round(output_tokens / wall, 2),
+        "requests_per_s": round(len(requests) / wall, 3),
+        "ttft_s": _summary(ttft),
+        "tpot_s": _summary(tpot),
+        "itl_s": _summary(itl),
+        "peak_concurrency": max((s["running"] for s in series), default=0),
+        "mean_concurrency": round(statistics.fmean(s["running"] for s in series), 2) if series else 0,
+        "forward_steps": engine.num_steps - steps_before,
+        "preemptions": engine.scheduler.num_preemptions,
+        "evictions": experts["evictions"],
+        "additions": experts["additions"],
+        "bytes_copied": experts["bytes_copied"] - copied_before,
+        "prefetch_hit_rate": round(experts["prefetch_hits"] / lookups, 4) if lookups else None,
+        "hook_seconds": round(experts["hook_seconds"], 3),
+        "peak_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
+        "series": series,
+    }
+
+
+def _summary(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "median": None, "p99": None}
+    ordered = sorted(values)
+    return {
+        "mean": round(statistics.fmean(ordered), 5),
+        "median": round(statistics.median(ordered), 5),
+        "p99": round(ordered[min(len(ordered) - 1, int(0.99 * len(ordered)))], 5),
+    }

@@ -1,0 +1,45 @@
+"""`rimuru bench` on the CPU with the tiny model and a budget that forces evictions, and the plots from its records,
+so the benchmark behind the published figures cannot rot."""
+
+import json
+import random
+import sys
+from pathlib import Path
+
+from rimuru.serving.cli import main
+from tests.engine.test_experts import budget_for
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import plot_bench  # noqa: E402
+
+
+def write_stream(path: Path, num: int, vocab_size: int) -> list[dict]:
+    rng = random.Random(0)
+    requests = [{"id": f"req-{i}", "arrival": round(i * 0.01, 3), "max_tokens": rng.randint(4, 24),
+                 "prompt_token_ids": [rng.randrange(3, vocab_size) for _ in range(rng.randint(2, 60))]}
+                for i in range(num)]  # fmt: skip
+    path.write_text("".join(json.dumps(r) + "\n" for r in requests))
+    return requests
+
+
+def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
+    folder = family[0]
+    requests = write_stream(tmp_path / "stream.jsonl", 36, 512)
+    budget = str(budget_for(folder, kv_tokens=60, offload=3))
+    records = {}
+    for policy, rate in [("elastic", "0"), ("elastic", "100"), ("resident", "0")]:
+        out = tmp_path / f"{policy}-{rate}.json"
+        extra = ["--expert-offload-limit", "3", "--gpu-memory-budget", budget] if policy == "elastic" else []
+        args = ["bench", folder, "--stream", str(tmp_path / "stream.jsonl"), "--rate", rate, "--out", str(out),
+                "--expert-policy", policy, "--quiet", *extra]  # fmt: skip
+        assert main(args) == 0
+        records[(policy, rate)] = record = json.loads(out.read_text())
+        assert record["output_tokens"] == sum(r["max_tokens"] for r in requests)
+        assert len(record["series"]) == record["forward_steps"]
+        assert record["peak_concurrency"] == max(s["running"] for s in record["series"]) <= 256
+        assert 0 < record["ttft_s"]["median"] <= record["ttft_s"]["p99"]
+        assert sum(s["tokens"] for s in record["series"]) == record["output_tokens"]
+    elastic = records[("elastic", "0")]
+    assert elastic["evictions"] > 0 and elastic["bytes_copied"] > 0 and elastic["prefetch_hit_rate"] is not None
+    paths = plot_bench.main([str(tmp_path / "plots")] + [f"{p}={tmp_path / f'{p}-{r}.json'}" for p, r in records])
+    assert len(paths) == 5 and all(Path(p).stat().st_size > 10_000 for p in paths)

@@ -1,0 +1,94 @@
+"""PNG plots from `rimuru bench` records: concurrency over time, the pool split over time, and throughput / TTFT
+against request rate, one line per label.
+
+    python tools/plot_bench.py OUT_DIR resident=r5.json elastic=e5.json ...   (a label may repeat across rates)
+"""
+
+import argparse
+import json
+import os
+from collections import defaultdict
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def load(specs: list[str]) -> list[tuple[str, dict]]:
+    records = []
+    for spec in specs:
+        label, _, path = spec.rpartition("=")
+        with open(path) as f:
+            records.append((label or os.path.basename(path), json.load(f)))
+    return records
+
+
+def plot_concurrency(records, out_dir: str) -> str:
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, record in records:
+        series = record["series"]
+        ax.plot([s["t"] for s in series], [s["running"] for s in series], label=f"{label} (rate {record.get('rate')})")
+    ax.set(xlabel="seconds", ylabel="running requests", title="Concurrency over time")
+    ax.legend(fontsize=7)
+    return _save(fig, out_dir, "concurrency.png")
+
+
+def plot_pool_split(records, out_dir: str) -> list[str]:
+    """Expert pages, KV pages and trapped KV pages (in expert-page equivalents) and free expert pages over time."""
+    paths = []
+    for index, (label, record) in enumerate(records):
+        series = record["series"]
+        kv_per_expert = record.get("kv_pages_per_expert_page") or 1
+        t = [s["t"] for s in series]
+        layers = [[s["expert_pages"] for s in series], [s["kv_pages"] / kv_per_expert for s in series],
+                  [s["trapped_kv_pages"] / kv_per_expert for s in series], [s["free_expert_pages"] for s in series]]
+        fig, ax = plt.subplots(figsize=(8, 4))
+        ax.stackplot(t, layers, labels=["experts", "KV", "free KV pages (trapped)", "free"], alpha=0.8)
+        ax.set(xlabel="seconds", ylabel="expert pages", title=f"Pool split: {label} (rate {record.get('rate')})")
+        ax.legend(loc="lower right", fontsize=7)
+        paths.append(_save(fig, out_dir, f"pool-{index}-{label}.png"))
+    return paths
+
+
+def plot_against_rate(records, out_dir: str) -> str:
+    """Throughput and mean TTFT per label against the request rate; all-at-once (rate 0) sits at 2x the top rate."""
+    finite = [r.get("rate") for _, r in records if r.get("rate")]
+    at_once = 2 * max(finite) if finite else 1.0
+    by_label = defaultdict(list)
+    for label, record in records:
+        by_label[label].append((record.get("rate") or at_once, record))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(10, 4))
+    for label, points in by_label.items():
+        points.sort(key=lambda p: p[0])
+        left.plot([x for x, _ in points], [r["output_tokens_per_s"] for _, r in points], marker="o", label=label)
+        right.plot([x for x, _ in points], [r["ttft_s"]["mean"] for _, r in points], marker="o", label=label)
+    left.set(xlabel=f"requests/s (all at once drawn at {at_once:g})", ylabel="output tokens/s", title="Throughput")
+    right.set(xlabel="requests/s", ylabel="mean TTFT (s)", title="Time to first token", yscale="log")
+    left.legend(fontsize=7)
+    return _save(fig, out_dir, "rate.png")
+
+
+def _save(fig, out_dir: str, name: str) -> str:
+    path = os.path.join(out_dir, name)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def main(argv: list[str] | None = None) -> list[str]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("out_dir")
+    parser.add_argument("records", nargs="+", help="LABEL=record.json")
+    args = parser.parse_args(argv)
+    os.makedirs(args.out_dir, exist_ok=True)
+    records = load(args.records)
+    paths = [plot_concurrency(records, args.out_dir), *plot_pool_split(records, args.out_dir)]
+    paths.append(plot_against_rate(records, args.out_dir))
+    print("\n".join(paths))
+    return paths
+
+
+if __name__ == "__main__":
+    main()
