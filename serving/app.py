@@ -20,7 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 import rimuru
 from rimuru.serving.engine_loop import EngineLoop
 from rimuru.serving.errors import EXCEPTION_HANDLERS
-from rimuru.serving.generation import Gateway, ServerSettings
+from rimuru.serving.gateway import Gateway, ServerSettings
 from rimuru.serving.openai_api import create_chat_completion, create_completion
 
 DASHBOARD_FILES = {"dashboard.js": "text/javascript", "dashboard.css": "text/css"}
@@ -122,8 +122,9 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings) -> Litestar:
         exception_handlers=EXCEPTION_HANDLERS,
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
-        openapi_config=OpenAPIConfig(title="Rimuru", version=_package_version(), path="/",
-                                     render_plugins=[JsonRenderPlugin(path="/openapi.json")]),  # fmt: skip
+        openapi_config=OpenAPIConfig(
+            title="Rimuru", version=_package_version(), path="/", render_plugins=[JsonRenderPlugin(path="/openapi.json")]
+        ),
         logging_config=None,  # the command line configures logging; Litestar's default would override its level
         debug=False,
     )

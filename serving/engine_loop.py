@@ -6,83 +6,25 @@
     await sub.queue    <--call_soon_threadsafe-- Accepted | Rejected, then [Delta, ...] each step
 
 A submission is one HTTP request: one or more prompts times `n` sequences, each a *choice* with an index.
-Detokenising happens here too (the tokenizer is engine state); text is held back while it may still turn into a
-stop string or ends in half a UTF-8 character, so streamed text never has to be taken back.
+Detokenising happens here too (the tokenizer is engine state), through each `Choice`. Metrics and the memory
+timeline are updated here, after each step.
 """
 
-import asyncio
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
 
 from rimuru.engine import Engine
 from rimuru.request import Request
-from rimuru.sampling_params import SamplingParams
+from rimuru.serving.choice import Choice, Delta
 from rimuru.serving.metrics import Metrics
+from rimuru.serving.submission import Accepted, Rejected, Submission
 from rimuru.serving.timeline import Timeline, pool_split
 
 logger = logging.getLogger("rimuru.serving")
 IDLE_WAIT_S = 0.25  # an idle engine thread wakes this often to record a sample
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    token: str
-    logprob: float
-    top: list[tuple[int, str, float]]  # (token id, token, log-probability), most likely first
-
-
-@dataclass
-class Delta:
-    """New output of one choice since the last delta; `text` is the full output once finished (`full_text`)."""
-
-    index: int
-    text: str
-    token_ids: list[int]
-    logprobs: list[TokenLogprob] | None = None
-    finish_reason: str | None = None
-    stop_reason: int | str | None = None
-    full_text: str | None = None
-
-
-@dataclass
-class Accepted:
-    prompt_token_counts: list[int]
-
-
-@dataclass
-class Rejected:
-    error: Exception
-
-
-@dataclass(eq=False)
-class Submission:
-    request_id: str
-    prompts: list[str | list[int]]  # ignored when `messages` is given
-    params: SamplingParams
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue
-    messages: list[dict] | None = None
-    add_generation_prompt: bool = True
-    arrival: float = field(default_factory=time.monotonic)
-
-    @property
-    def num_choices(self) -> int:
-        return self.params.n * (1 if self.messages is not None else len(self.prompts))
-
-
-@dataclass(eq=False)
-class _Choice:
-    submission: Submission
-    index: int
-    request: Request
-    num_sent_tokens: int = 0
-    num_sent_chars: int = 0
-    last_token_time: float | None = None
 
 
 class EngineLoop:
@@ -95,8 +37,8 @@ class EngineLoop:
         self._ready = threading.Event()
         self._start_error: BaseException | None = None
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._choices: dict[str, _Choice] = {}  # engine request id -> choice
-        self._by_submission: dict[str, list[_Choice]] = {}
+        self._choices: dict[str, Choice] = {}  # engine request id -> choice
+        self._by_submission: dict[str, list[Choice]] = {}
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="rimuru-engine", daemon=True)
 
@@ -143,7 +85,7 @@ class EngineLoop:
         while not self._stopping.is_set():
             try:
                 self._round()
-            except Exception:  # noqa: BLE001 - the thread must outlive any one bad round
+            except Exception:
                 logger.exception("engine loop round failed")
                 time.sleep(0.01)
 
@@ -181,14 +123,14 @@ class EngineLoop:
             for p, token_ids in enumerate(prompts):
                 request_id = sub.request_id if len(prompts) == 1 else f"{sub.request_id}-p{p}"
                 added += self.engine.add_request(request_id, token_ids, sub.params)
-        except Exception as error:  # noqa: BLE001 - any failure rejects this request, never the thread
+        except Exception as error:
             for request in added:
                 self.engine.abort(request.request_id)
             if not isinstance(error, ValueError):
                 logger.exception("could not add request %s", sub.request_id)
             _post(sub, Rejected(error))
             return
-        choices = [_Choice(sub, i, request) for i, request in enumerate(added)]
+        choices = [Choice(sub, i, request) for i, request in enumerate(added)]
         self._by_submission[sub.request_id] = choices
         self._choices.update((c.request.request_id, c) for c in choices)
         self.metrics.prompt_tokens.inc(sum(len(t) for t in prompts))
@@ -206,7 +148,7 @@ class EngineLoop:
             raise ValueError("messages: this model has no chat template; use /v1/completions")
         try:
             token_ids = tokenizer.apply_chat_template(sub.messages, add_generation_prompt=sub.add_generation_prompt)
-        except Exception as error:  # noqa: BLE001 - a template may raise anything on odd input
+        except Exception as error:
             raise ValueError(f"messages: the chat template failed: {error}") from error
         if isinstance(token_ids, Mapping):  # transformers 5 returns a BatchEncoding
             token_ids = token_ids["input_ids"]
@@ -220,7 +162,7 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             updated = self.engine.step()
-        except Exception as error:  # noqa: BLE001 - fail the requests in flight, keep serving
+        except Exception as error:
             logger.exception("engine step failed")
             for request_id in list(self._by_submission):
                 choices = self._by_submission.pop(request_id)
@@ -237,7 +179,7 @@ class EngineLoop:
         for sub, items in deltas.values():
             _post(sub, items)
 
-    def _abort_choices(self, choices: list[_Choice]) -> list[_Choice]:
+    def _abort_choices(self, choices: list[Choice]) -> list[Choice]:
         """Abort the unfinished ones (their pages return to the pool); returns those."""
         unfinished = [c for c in choices if not c.request.is_finished]
         for choice in unfinished:
@@ -246,26 +188,15 @@ class EngineLoop:
             self.metrics.finished("abort")
         return unfinished
 
-    def _delta(self, choice: _Choice, now: float) -> Delta:
-        request, checker = choice.request, self.engine.stop_checker
-        new_tokens = request.output_token_ids[choice.num_sent_tokens :]
-        self._observe_tokens(choice, len(new_tokens), now)
-        logprobs = self._logprobs(request, choice.num_sent_tokens) if request.params.logprobs is not None else None
-        choice.num_sent_tokens = len(request.output_token_ids)
-        if request.is_finished:
-            text = checker.output_text(request)
+    def _delta(self, choice: Choice, now: float) -> Delta:
+        num_before = choice.num_sent_tokens
+        delta = choice.delta(self.engine.stop_checker, self.engine.tokenizer)
+        self._observe_tokens(choice, choice.num_sent_tokens - num_before, now)
+        if choice.request.is_finished:
             self._finish(choice, now)
-            delta_text = text[choice.num_sent_chars :]
-            return Delta(choice.index, delta_text, new_tokens, logprobs, request.finish_reason, request.stop_reason, text)
-        text = checker.text(request.output_token_ids, request.params.skip_special_tokens)
-        safe = len(text) - max((len(s) - 1 for s in request.params.stop), default=0)
-        while safe > choice.num_sent_chars and text[safe - 1] == "\ufffd":
-            safe -= 1
-        delta_text = text[choice.num_sent_chars : max(safe, choice.num_sent_chars)]
-        choice.num_sent_chars += len(delta_text)
-        return Delta(choice.index, delta_text, new_tokens, logprobs)
+        return delta
 
-    def _observe_tokens(self, choice: _Choice, count: int, now: float) -> None:
+    def _observe_tokens(self, choice: Choice, count: int, now: float) -> None:
         if count == 0:
             return
         if choice.last_token_time is None:
@@ -276,26 +207,13 @@ class EngineLoop:
         self.metrics.generation_tokens.inc(count)
         self.timeline.add_tokens(count)
 
-    def _finish(self, choice: _Choice, now: float) -> None:
+    def _finish(self, choice: Choice, now: float) -> None:
         self._choices.pop(choice.request.request_id, None)
         self.metrics.e2e_request_latency.observe(now - choice.submission.arrival)
         self.metrics.finished(choice.request.finish_reason)
         request_id = choice.submission.request_id
         if all(c.request.is_finished for c in self._by_submission.get(request_id, [])):
             self._by_submission.pop(request_id, None)
-
-    def _logprobs(self, request: Request, start: int) -> list[TokenLogprob]:
-        num_top = request.params.logprobs or 0
-        out = []
-        for token_id, entry in zip(request.output_token_ids[start:], (request.logprobs or [])[start:]):
-            top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
-            out.append(TokenLogprob(token_id, self._token_text(token_id), entry.get(token_id, float("-inf")),
-                                    [(t, self._token_text(t), lp) for t, lp in top]))  # fmt: skip
-        return out
-
-    def _token_text(self, token_id: int) -> str:
-        tokenizer = self.engine.tokenizer
-        return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
 
     def _record(self, force: bool) -> None:
         if not force and not self.timeline.is_due():

@@ -12,8 +12,10 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 from rimuru.sampling_params import SamplingParams
-from rimuru.serving.engine_loop import Accepted, Delta, EngineLoop, Rejected, Submission
+from rimuru.serving.choice import Delta
+from rimuru.serving.engine_loop import EngineLoop
 from rimuru.serving.errors import OpenAIError
+from rimuru.serving.submission import Accepted, Rejected, Submission
 
 
 @dataclass(frozen=True)

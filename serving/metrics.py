@@ -77,7 +77,7 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def _advance(counter, total: int | float, seen: int | float) -> int | float:
+def _advance(counter, total: float, seen: float) -> int | float:
     """Counters only go up: add what a cumulative total grew by since last time."""
     if total > seen:
         counter.inc(total - seen)

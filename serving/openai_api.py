@@ -15,7 +15,7 @@ from litestar.openapi.datastructures import ResponseSpec
 from litestar.response import Stream
 
 from rimuru.serving.errors import OpenAIError
-from rimuru.serving.generation import Gateway, Generation
+from rimuru.serving.gateway import Gateway, Generation
 from rimuru.serving.protocol import ChatCompletionRequest, CompletionRequest, ErrorResponse
 from rimuru.serving.responses import ChatFormatter, CompletionFormatter, Formatter
 

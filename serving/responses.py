@@ -6,7 +6,7 @@ logprobs, whether a chat choice has sent its role yet). Pure: no engine, no I/O.
 
 import time
 
-from rimuru.serving.engine_loop import Delta, TokenLogprob
+from rimuru.serving.choice import Delta, TokenLogprob
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict:

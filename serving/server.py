@@ -16,7 +16,7 @@ from rimuru.config import EngineConfig
 from rimuru.engine import Engine
 from rimuru.serving.app import create_app
 from rimuru.serving.engine_loop import EngineLoop
-from rimuru.serving.generation import Gateway, ServerSettings
+from rimuru.serving.gateway import Gateway, ServerSettings
 from rimuru.serving.metrics import Metrics
 from rimuru.serving.timeline import Timeline
 

@@ -72,7 +72,7 @@ def guarded():
 
 def test_api_key_guards_v1_only(guarded):
     url = f"{guarded.url}/v1/models"
-    assert_openai_error(httpx.get(url), 401)["code"] == "invalid_api_key"
+    assert assert_openai_error(httpx.get(url), 401)["code"] == "invalid_api_key"
     assert_openai_error(httpx.get(url, headers={"Authorization": "Bearer wrong"}), 401)
     assert_openai_error(httpx.post(f"{guarded.url}/v1/completions", json={"n": "bad"}), 401)  # the key comes first
     assert httpx.get(url, headers={"Authorization": f"Bearer {KEY}"}).status_code == 200
@@ -111,7 +111,7 @@ async def _open_stream(client: httpx.AsyncClient, body: dict):
 
 async def _finish_stream(opened) -> int:
     """Reads the rest of the stream; returns the completion tokens of its usage chunk."""
-    stream, response, lines = opened
+    stream, _, lines = opened
     finish, completion_tokens = None, None
     async for line in lines:
         if line.startswith("data: {"):

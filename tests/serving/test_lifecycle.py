@@ -69,6 +69,13 @@ def _rest(lines) -> tuple[set, bool]:
     return reasons, done
 
 
+def _health(process) -> int | None:
+    try:
+        return httpx.get(f"{process.url}/health", timeout=5).status_code
+    except httpx.TransportError:
+        return None
+
+
 def test_sigterm_drains_in_flight_requests():
     process = ServerProcess("--device", "cpu", "--shutdown-timeout", "60")
     try:
@@ -76,7 +83,7 @@ def test_sigterm_drains_in_flight_requests():
         with httpx.stream("POST", f"{process.url}/v1/completions", json=body, timeout=60) as response:
             lines = _first_chunk(response)
             process.signal(signal.SIGTERM)
-            assert wait_until(lambda: httpx.get(f"{process.url}/health").status_code == 503, timeout=5)
+            assert wait_until(lambda: _health(process) == 503, timeout=10)
             rejected = httpx.post(f"{process.url}/v1/completions", json={"prompt": "Hi", "max_tokens": 2})
             assert rejected.status_code == 503 and rejected.json()["error"]["type"] == "service_unavailable"
             reasons, done = _rest(lines)

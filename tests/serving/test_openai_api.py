@@ -93,7 +93,7 @@ def test_chat_stream_n_and_logprobs(client):
 
 
 def test_seed_reproducible_and_stop_string(client):
-    kwargs = dict(model="tiny-qwen-moe", prompt="Once upon", max_tokens=10, temperature=1.0, seed=123)
+    kwargs = {"model": "tiny-qwen-moe", "prompt": "Once upon", "max_tokens": 10, "temperature": 1.0, "seed": 123}
     first, second = (client.completions.create(**kwargs).choices[0].text for _ in range(2))
     assert first == second
     greedy = client.completions.create(model="tiny-qwen-moe", prompt="Once upon", max_tokens=10, temperature=0).choices[0]
