@@ -132,3 +132,14 @@ def test_tiny_temperature_is_greedy(client):
     texts = [client.completions.create(model="tiny-qwen-moe", prompt="Hello", max_tokens=4, temperature=t).choices[0].text
              for t in (0.0, 1e-300)]  # fmt: skip
     assert texts[0] == texts[1]
+
+
+def test_streamed_text_never_takes_back_a_stop_string(client):
+    """Text that could still become the stop string is held back, so the streamed text equals the whole answer."""
+    greedy = client.completions.create(model="tiny-qwen-moe", prompt="The quick", max_tokens=12, temperature=0)
+    text = greedy.choices[0].text
+    stop = text[len(text) // 2 : len(text) // 2 + 3]
+    kwargs = {"model": "tiny-qwen-moe", "prompt": "The quick", "max_tokens": 12, "temperature": 0, "stop": [stop]}
+    whole = client.completions.create(**kwargs).choices[0]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
+    assert whole.finish_reason == "stop" and streamed == whole.text and stop not in streamed
