@@ -45,8 +45,9 @@ def _gateway(request: Request) -> Gateway:
 async def list_models(request: Request) -> dict:
     gateway = _gateway(request)
     created, max_model_len = request.app.state.started, gateway.engine_loop.max_model_len
-    cards = [{"id": name, "object": "model", "created": created, "owned_by": "rimuru", "root": gateway.settings.model_path,
-              "parent": None, "max_model_len": max_model_len} for name in gateway.settings.served_model_names]  # fmt: skip
+    card = {"object": "model", "created": created, "owned_by": "rimuru", "root": gateway.settings.model_path,
+            "parent": None, "max_model_len": max_model_len}  # fmt: skip
+    cards = [{"id": name, **card} for name in gateway.settings.served_model_names]
     return {"object": "list", "data": cards}
 
 
@@ -123,8 +124,9 @@ def create_app(engine_loop: EngineLoop, settings: ServerSettings) -> Litestar:
         lifespan=[lifespan],
         request_max_body_size=settings.max_body_bytes,
         openapi_config=OpenAPIConfig(
-            title="Rimuru", version=_package_version(), path="/", render_plugins=[JsonRenderPlugin(path="/openapi.json")]
-        ),
+            title="Rimuru", version=_package_version(), path="/",
+            render_plugins=[JsonRenderPlugin(path="/openapi.json")],
+        ),  # fmt: skip
         logging_config=None,  # the command line configures logging; Litestar's default would override its level
         debug=False,
     )

@@ -123,7 +123,7 @@ class EngineLoop:
             for p, token_ids in enumerate(prompts):
                 request_id = sub.request_id if len(prompts) == 1 else f"{sub.request_id}-p{p}"
                 added += self.engine.add_request(request_id, token_ids, sub.params)
-        except Exception as error:
+        except Exception as error:  # any failure rejects this request, never the thread
             for request in added:
                 self.engine.abort(request.request_id)
             if not isinstance(error, ValueError):
@@ -148,7 +148,7 @@ class EngineLoop:
             raise ValueError("messages: this model has no chat template; use /v1/completions")
         try:
             token_ids = tokenizer.apply_chat_template(sub.messages, add_generation_prompt=sub.add_generation_prompt)
-        except Exception as error:
+        except Exception as error:  # a template may raise anything on odd input
             raise ValueError(f"messages: the chat template failed: {error}") from error
         if isinstance(token_ids, Mapping):  # transformers 5 returns a BatchEncoding
             token_ids = token_ids["input_ids"]
@@ -162,7 +162,7 @@ class EngineLoop:
     def _step(self) -> None:
         try:
             updated = self.engine.step()
-        except Exception as error:
+        except Exception as error:  # fail the requests in flight, keep serving
             logger.exception("engine step failed")
             for request_id in list(self._by_submission):
                 choices = self._by_submission.pop(request_id)

@@ -78,7 +78,8 @@ class Gateway:
             raise OpenAIError(503, "the server is shutting down and admits no new requests")
         limit = self.settings.max_queued_requests
         if limit is not None and self.num_in_flight >= limit:
-            raise OpenAIError(429, f"the server already holds {self.num_in_flight} requests (--max-queued-requests {limit}); retry later")  # fmt: skip
+            message = f"the server already holds {self.num_in_flight} requests (--max-queued-requests {limit})"
+            raise OpenAIError(429, message + "; retry later")
         self.num_in_flight += 1
 
     def release(self) -> None:

@@ -37,18 +37,21 @@ class Metrics:
             return Histogram(f"rimuru:{name}", doc, labels, buckets=buckets, registry=registry).labels(*label_values)
 
         self.num_requests_running = gauge("num_requests_running", "Sequences in the running batch.").labels(model_name)
-        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting to be scheduled.").labels(model_name)
-        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV pages used / KV pages obtainable (1 = full).").labels(model_name)
+        self.num_requests_waiting = gauge("num_requests_waiting", "Sequences waiting.").labels(model_name)
+        self.kv_cache_usage_perc = gauge("kv_cache_usage_perc", "KV pages used / obtainable.").labels(model_name)
         self.time_to_first_token = histogram("time_to_first_token_seconds", "Arrival to first token.", _LATENCY_BUCKETS)
-        self.time_per_output_token = histogram("time_per_output_token_seconds", "Time between two tokens of a sequence.", _LATENCY_BUCKETS)
+        self.time_per_output_token = histogram("time_per_output_token_seconds", "Time between two tokens.",
+                                               _LATENCY_BUCKETS)  # fmt: skip
         self.e2e_request_latency = histogram("e2e_request_latency_seconds", "Arrival to the last token.", _E2E_BUCKETS)
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens admitted.")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.num_preemptions = counter("num_preemptions", "Sequences preempted (recomputed later).")
-        self.request_success = Counter("rimuru:request_success", "Finished sequences by reason.", labels + ["finished_reason"], registry=registry)
+        self.request_success = Counter("rimuru:request_success", "Finished sequences by reason.",
+                                       labels + ["finished_reason"], registry=registry)  # fmt: skip
         self._pool_pages = gauge("pool_pages", "Pool pages by kind (free counted in expert pages).", ["kind"])
         self._pool_bytes = gauge("pool_bytes", "Pool bytes by kind.", ["kind"])
-        self._expert = {name: counter(f"expert_{name}", f"Expert {name.replace('_', ' ')} (expert offloading).") for name in EXPERT_COUNTERS}  # fmt: skip
+        self._expert = {name: counter(f"expert_{name}", f"Expert {name.replace('_', ' ')} (expert offloading).")
+                        for name in EXPERT_COUNTERS}  # fmt: skip
         self._expert_seen = dict.fromkeys(EXPERT_COUNTERS, 0)
         self._preemptions_seen = 0
         self.model_name = model_name

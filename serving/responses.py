@@ -120,8 +120,8 @@ class ChatFormatter(Formatter):
 
     def _final_choice(self, choice: _Choice) -> dict:
         logprobs = None if choice.logprobs is None else self._logprobs(choice.logprobs)
-        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
-                "logprobs": logprobs, "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}  # fmt: skip
+        return {"index": choice.index, "message": {"role": "assistant", "content": choice.text}, "logprobs": logprobs,
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}  # fmt: skip
 
     def _chunk_choices(self, delta: Delta) -> list[dict]:
         out = []

@@ -78,7 +78,8 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
-def serve(model: str | None, engine_options: dict, settings: dict, host: str, port: int, log_level: str = "info") -> None:
+def serve(model: str | None, engine_options: dict, settings: dict, host: str, port: int,
+          log_level: str = "info") -> None:  # fmt: skip
     app, gateway = build_app(model, engine_options, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             lifespan="on")  # fmt: skip

@@ -78,7 +78,8 @@ async def send(client: httpx.AsyncClient, request: dict, model: str | None) -> R
     return result
 
 
-async def replay(base_url: str, requests: list[dict], model: str | None, rate_scale: float) -> tuple[list[Result], float]:
+async def replay(base_url: str, requests: list[dict], model: str | None,
+                 rate_scale: float) -> tuple[list[Result], float]:  # fmt: skip
     limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
     async with httpx.AsyncClient(base_url=base_url, timeout=httpx.Timeout(600), limits=limits) as client:
         start = time.perf_counter()
@@ -93,8 +94,13 @@ async def replay(base_url: str, requests: list[dict], model: str | None, rate_sc
 
 def summarize(results: list[Result], duration: float) -> dict:
     done = [r for r in results if r.ok]
-    ms = lambda xs: {"mean": _r(statistics.fmean(xs) * 1e3), "median": _r(statistics.median(xs) * 1e3),
-                     "p99": _r(_percentile(xs, 99) * 1e3)} if xs else {}  # fmt: skip
+
+    def ms(xs: list[float]) -> dict:
+        if not xs:
+            return {}
+        return {"mean": _r(statistics.fmean(xs) * 1e3), "median": _r(statistics.median(xs) * 1e3),
+                "p99": _r(_percentile(xs, 99) * 1e3)}  # fmt: skip
+
     tpot = [(r.latency - r.ttft) / (r.output_tokens - 1) for r in done if r.output_tokens > 1]
     output = sum(r.output_tokens for r in done)
     return {
