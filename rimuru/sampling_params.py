@@ -5,11 +5,13 @@ Owns validation: a bad value raises ValueError naming the field and its allowed 
 
 from dataclasses import dataclass, field
 
+GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature is greedy (logits / 1e-300 would overflow)
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     n: int = 1  # completions per prompt
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # below 1e-5 (0 included) means greedy
     top_p: float = 1.0  # nucleus mass kept, (0, 1]
     top_k: int = 0  # keep the k most likely tokens; 0 or -1 keeps all
     min_p: float = 0.0  # drop tokens below min_p * p(most likely), [0, 1]
@@ -50,7 +52,7 @@ class SamplingParams:
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0 or self.top_k == 1
+        return self.temperature < GREEDY_BELOW or self.top_k == 1
 
 
 def _check(name: str, value, ok: bool, allowed: str) -> None:

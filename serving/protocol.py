@@ -12,7 +12,6 @@ from msgspec import Meta
 from rimuru.sampling_params import SamplingParams
 
 MAX_N = 128
-GREEDY_BELOW = 1e-5  # vLLM's _SAMPLING_EPS: a smaller temperature samples greedily (logits / 1e-300 overflow)
 MAX_SEED = 2**63 - 1 - MAX_N  # seeded sequences use seed + index; torch takes [-2**63, 2**64)
 
 PositiveInt = Annotated[int, Meta(ge=1)]
@@ -57,7 +56,7 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
             min_tokens=self.min_tokens,
             logprobs=logprobs,
             skip_special_tokens=self.skip_special_tokens,
-            temperature=self.temperature if self.temperature >= GREEDY_BELOW else 0.0,
+            temperature=self.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
             min_p=self.min_p,

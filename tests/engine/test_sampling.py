@@ -86,3 +86,9 @@ def test_prompt_longer_than_context_names_both_numbers(llm):
 def test_missing_checkpoint_says_what_was_looked_for(tmp_path):
     with pytest.raises(FileNotFoundError, match=str(tmp_path / "nope")):
         LLM(str(tmp_path / "nope"), progress=False)
+
+
+def test_a_vanishing_temperature_is_greedy(llm, family):
+    prompts, expected = family[1], family[2]
+    params = SamplingParams(temperature=1e-300, max_tokens=12, ignore_eos=True)
+    assert tokens(llm, prompts[:3], params) == expected[:3]
