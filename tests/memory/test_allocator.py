@@ -1,15 +1,18 @@
 """The allocator on hand-checked cases: exact page ids, the real model sizes, aliasing views, bad input."""
 
-import json
 import types
-from pathlib import Path
 
 import pytest
 import torch
 
 from rimuru.memory import EXPERT, KV, MemoryPool, PageAllocator, page_sizes, page_sizes_for_model
 
-SHARED_MODELS = Path(__file__).resolve().parents[3] / "shared" / "models"
+# The fields that size pages, from the released config.json files of the two models.
+REAL_CONFIGS = {
+    "qwen1.5-moe-a2.7b": dict(hidden_size=2048, moe_intermediate_size=1408, num_attention_heads=16, num_key_value_heads=16),
+    "qwen3-30b-a3b": dict(hidden_size=2048, moe_intermediate_size=768, num_attention_heads=32, num_key_value_heads=4,
+                          head_dim=128),
+}
 
 
 def tiny_sizes():
@@ -62,7 +65,7 @@ def test_expert_pages_go_three_at_a_time_and_none_when_full():
     "model, kv_per_expert", [("qwen1.5-moe-a2.7b", 44), ("qwen3-30b-a3b", 96)]
 )
 def test_real_model_sizes(model, kv_per_expert):
-    config = types.SimpleNamespace(**json.loads((SHARED_MODELS / model / "config.json").read_text()))
+    config = types.SimpleNamespace(**REAL_CONFIGS[model])
     sizes = page_sizes_for_model(config, torch.bfloat16)
     assert sizes.kv_pages_per_expert_page == kv_per_expert
     assert sizes.kv_padding_bytes == 0 and sizes.huge_page_bytes == sizes.expert_page_bytes
