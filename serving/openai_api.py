@@ -44,7 +44,8 @@ async def create_completion(data: CompletionRequest, request: Request) -> Respon
     prompts = _params(data.prompts)
     params = _params(lambda: data.sampling_params(data.logprobs, data.max_tokens or DEFAULT_COMPLETION_MAX_TOKENS))
     generation = await gateway.start("cmpl", params, prompts=prompts)
-    formatter = CompletionFormatter(generation.request_id, model, generation.submission.num_choices)
+    formatter = CompletionFormatter(generation.request_id, model, generation.submission.num_choices,
+                                    data.return_token_ids)  # fmt: skip
     return await _answer(generation, formatter, data.stream, data.include_usage, request)
 
 

@@ -72,6 +72,7 @@ class CompletionRequest(_SamplingFields, kw_only=True):
 
     prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[str | int | list[int]], Meta(min_length=1)]
     logprobs: TopLogprobs | None = None
+    return_token_ids: bool = False  # vLLM's extension: every choice and chunk carries its new token ids
 
     def prompts(self) -> list[str | list[int]]:
         """The prompts as a list; ValueError when the list mixes token ids with other prompts."""

@@ -18,13 +18,13 @@ class _Choice:
     """A finished choice, gathered from its deltas."""
 
     def __init__(self, index: int):
-        self.index, self.text, self.num_tokens = index, "", 0
+        self.index, self.text, self.token_ids = index, "", []
         self.logprobs: list[TokenLogprob] | None = None
         self.finish_reason, self.stop_reason = None, None
 
     def add(self, delta: Delta) -> None:
         self.text += delta.text
-        self.num_tokens += len(delta.token_ids)
+        self.token_ids += delta.token_ids
         if delta.logprobs is not None:
             self.logprobs = (self.logprobs or []) + delta.logprobs
         if delta.finish_reason is not None:
@@ -42,7 +42,7 @@ class Formatter:
 
     @property
     def completion_tokens(self) -> int:
-        return sum(c.num_tokens for c in self.choices)
+        return sum(len(c.token_ids) for c in self.choices)
 
     def usage(self) -> dict:
         return usage(self.prompt_tokens, self.completion_tokens)
@@ -78,24 +78,31 @@ class Formatter:
 class CompletionFormatter(Formatter):
     object_name = chunk_object_name = "text_completion"
 
-    def __init__(self, request_id: str, model: str, num_choices: int):
+    def __init__(self, request_id: str, model: str, num_choices: int, return_token_ids: bool = False):
         super().__init__(request_id, model, num_choices)
         self._offsets = [0] * num_choices
+        self.return_token_ids = return_token_ids
 
     def _final_choice(self, choice: _Choice) -> dict:
         logprobs = None if choice.logprobs is None else self._logprobs(choice.logprobs, 0)
         return {"index": choice.index, "text": choice.text, "logprobs": logprobs,
-                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason}  # fmt: skip
+                "finish_reason": choice.finish_reason, "stop_reason": choice.stop_reason,
+                **self._token_ids(choice.token_ids)}  # fmt: skip
 
     def _chunk_choices(self, delta: Delta) -> list[dict]:
-        if not delta.text and not delta.finish_reason and not delta.logprobs:
+        new_ids = self.return_token_ids and delta.token_ids
+        if not delta.text and not delta.finish_reason and not delta.logprobs and not new_ids:
             return []
         logprobs = None
         if delta.logprobs is not None:
             logprobs = self._logprobs(delta.logprobs, self._offsets[delta.index])
             self._offsets[delta.index] += sum(len(t.token) for t in delta.logprobs)
         return [{"index": delta.index, "text": delta.text, "logprobs": logprobs,
-                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason}]  # fmt: skip
+                 "finish_reason": delta.finish_reason, "stop_reason": delta.stop_reason,
+                 **self._token_ids(delta.token_ids)}]  # fmt: skip
+
+    def _token_ids(self, token_ids: list[int]) -> dict:
+        return {"token_ids": list(token_ids)} if self.return_token_ids else {}
 
     @staticmethod
     def _logprobs(entries: list[TokenLogprob], offset: int) -> dict:

@@ -46,7 +46,8 @@ def read_stream(path: str, limit: int | None, max_model_len: int | None, max_pro
 
 async def send(client: httpx.AsyncClient, request: dict, model: str | None) -> Result:
     body = {"prompt": request["prompt_token_ids"], "max_tokens": request["max_tokens"], "temperature": 0.0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}  # fmt: skip
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            "return_token_ids": True}  # fmt: skip  (a chunk a step even where no text is ready, or no tokenizer)
     if model:
         body["model"] = model
     result, start = Result(), time.perf_counter()

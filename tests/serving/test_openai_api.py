@@ -119,6 +119,18 @@ def test_raw_sse_framing(server):
     assert sum(1 for p in payloads if p["choices"] and p["choices"][0]["finish_reason"] == "length") == 1
 
 
+def test_return_token_ids_streams_every_step_with_the_tokens(server, offline):
+    body = {"prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True, "stream": True,
+            "return_token_ids": True}  # fmt: skip
+    with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=30) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines() if line.startswith("data: {")]
+    choices = [e["choices"][0] for e in events if e["choices"]]
+    assert all(c["token_ids"] for c in choices)  # a chunk a step, each with its new tokens
+    assert [t for c in choices for t in c["token_ids"]] == offline[0].token_ids
+    whole = httpx.post(f"{server.url}/v1/completions", json=body | {"stream": False}, timeout=30).json()
+    assert whole["choices"][0]["token_ids"] == offline[0].token_ids
+
+
 def test_rejected_stream_is_never_a_200(server):
     body = {"prompt": [5] * 200, "max_tokens": 5, "stream": True}  # longer than --max-model-len 128
     response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=30)
