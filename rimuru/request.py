@@ -28,6 +28,7 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    detokenizer: object | None = None  # the output text so far (an IncrementalDetokenizer), made by StopChecker
 
     @property
     def num_tokens(self) -> int:

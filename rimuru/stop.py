@@ -4,6 +4,7 @@ Order: a stop token id or EOS ("stop"), then a stop string in the detokenised ou
 limit ("length"). Nothing but the length limit applies before `min_tokens`.
 """
 
+from rimuru.detokenizer import IncrementalDetokenizer
 from rimuru.request import Request
 
 
@@ -32,17 +33,25 @@ class StopChecker:
         stops = request.params.stop
         if not stops:
             return None
-        text = self.text(request.output_token_ids, request.params.skip_special_tokens)
+        text = self.text_of(request)
         return next((s for s in stops if s in text), None)  # checked every token: the first occurrence wins
 
-    def text(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+    def text_of(self, request: Request) -> str:
+        """The request's output text so far, decoded incrementally; a trailing half character is held back."""
         if self.tokenizer is None:
             return ""
-        return self.tokenizer.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        if request.detokenizer is None:
+            request.detokenizer = IncrementalDetokenizer(self.tokenizer, request.params.skip_special_tokens)
+        request.detokenizer.update(request.output_token_ids)
+        return request.detokenizer.text
 
     def output_text(self, request: Request) -> str:
-        """The output text, cut before the stop string that ended it."""
-        text = self.text(request.output_token_ids, request.params.skip_special_tokens)
+        """The whole output text, cut before the stop string that ended it."""
+        if self.tokenizer is None:
+            return ""
+        self.text_of(request)
+        request.detokenizer.finish(request.output_token_ids)
+        text = request.detokenizer.text
         if isinstance(request.stop_reason, str):
             text = text[: text.find(request.stop_reason)]
         return text

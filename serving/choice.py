@@ -52,7 +52,7 @@ class Choice:
             text = stop_checker.output_text(request)
             return Delta(self.index, text[self.num_sent_chars :], new_tokens, logprobs, request.finish_reason,
                          request.stop_reason, text)  # fmt: skip
-        text = stop_checker.text(request.output_token_ids, request.params.skip_special_tokens)
+        text = stop_checker.text_of(request)
         safe = len(text) - max((len(s) - 1 for s in request.params.stop), default=0)
         while safe > self.num_sent_chars and text[safe - 1] == "\ufffd":
             safe -= 1
