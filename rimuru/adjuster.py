@@ -42,7 +42,12 @@ class Adjuster:
     def __init__(self, ranking: ExpertRanking, offload_limit: int, thresholds: AdjusterThresholds = AdjusterThresholds()):
         self.ranking, self.offload_limit, self.thresholds = ranking, offload_limit, thresholds
 
-    def adjust(self, short_pages: int, free_pages: int, offloaded: dict[int, set[int]]) -> ChangeList:
+    def reclaimable_experts(self, offloaded: dict[int, set[int]], stalled: bool = False) -> int:
+        """Experts this round may still evict: every one under the offload limit (the paper ignores cost). Pure."""
+        return self.offload_limit * len(offloaded) - sum(map(len, offloaded.values()))
+
+    def adjust(self, short_pages: int, free_pages: int, offloaded: dict[int, set[int]],
+               stalled: bool = False) -> ChangeList:  # fmt: skip
         """The experts to evict and to add this round, given each layer's offloaded experts. Does not mutate."""
         num_evict, num_add = plan_adjustment(short_pages, free_pages, self.thresholds)
         return ChangeList(evict=self.nominate_evictions(num_evict, offloaded), add=self.nominate_additions(num_add, offloaded))

@@ -40,6 +40,9 @@ class EngineConfig:
     tokenizer: str | None = None  # None: the checkpoint folder
     expert_policy: str = "elastic"  # "resident" | "fixed" | "elastic" (DESIGN.md section 3)
     expert_offload_limit: int | None = None  # most experts one layer may offload (elastic); None: a quarter of them
+    adjuster: str = "paper"  # elastic: "paper" (DESIGN.md section 4) | "cost" (rimuru.cost_adjuster)
+    copy_compute_ratio: float = 1.0  # cost: evict while predicted copy time per step <= this x compute time
+    ttft_slo: float | None = None  # cost: seconds the oldest waiting request may wait before evicting despite cost
     offload_per_layer: int | None = None  # experts each layer keeps on the host (fixed); None: a quarter of them
     expert_ranking: str | None = None  # path of expert_ranking.json; None: beside the checkpoint, else uniform
     prefetch: bool = True  # predict the next layer's experts and copy them ahead
@@ -75,5 +78,9 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.expert_policy not in ("resident", "fixed", "elastic"):
             raise ValueError(f"expert_policy must be 'resident', 'fixed' or 'elastic', got {self.expert_policy!r}")
+        if self.adjuster not in ("paper", "cost"):
+            raise ValueError(f"adjuster must be 'paper' or 'cost', got {self.adjuster!r}")
+        if self.copy_compute_ratio < 0 or (self.ttft_slo is not None and self.ttft_slo < 0):
+            raise ValueError("copy_compute_ratio and ttft_slo must be >= 0")
         budget = parse_bytes(self.gpu_memory_budget)
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len, gpu_memory_budget=budget)

@@ -8,11 +8,13 @@ per-request bookkeeping around it (tokenising, stop conditions). Front ends (`LL
 import json
 import logging
 import os
+import time
 
 import torch
 
 from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig
+from rimuru.cost_adjuster import CostAdjuster, CostThresholds
 from rimuru.expert_manager import ExpertManager
 from rimuru.expert_placement import check_budget, initial_offload
 from rimuru.expert_ranking import find_ranking
@@ -23,6 +25,7 @@ from rimuru.memory_plan import plan_memory
 from rimuru.model_runner import ModelRunner
 from rimuru.models import ModelConfig, from_pretrained
 from rimuru.models.checkpoint import resolve_folder
+from rimuru.popularity import ExpertPopularity
 from rimuru.request import Request
 from rimuru.sampler import Sampler
 from rimuru.sampling_params import SamplingParams
@@ -45,7 +48,7 @@ class Engine:
         self._place_experts(folder)
         self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
                                        config.max_num_seqs, config.max_model_len)  # fmt: skip
-        reclaimable_kv = self._reclaimable_expert_pages() * self.allocator.children[KV]
+        reclaimable_kv = self._reclaimable_expert_pages(stalled=True) * self.allocator.children[KV]
         # the longest sequence the pool could hold alone, once the adjuster evicted all it may
         self.max_request_tokens = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV) + reclaimable_kv)
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
@@ -80,22 +83,33 @@ class Engine:
         if ranking.is_uniform and count:
             logger.warning("no expert_ranking.json: experts are offloaded in id order; run `rimuru profile` first")
         self.adjuster = Adjuster(ranking, count) if cfg.expert_policy == "elastic" else None
+        is_cost = self.adjuster is not None and cfg.adjuster == "cost"
+        popularity = ExpertPopularity(ranking, mc.num_experts, self.device) if is_cost else None
         routers = {layer: self.loaded.model.model.layers[layer].mlp.gate.weight for layer in mc.moe_layer_ids}
-        self.expert_manager = ExpertManager(self.experts, count, routers, mc.num_experts_per_tok, cfg.prefetch)
+        self.expert_manager = ExpertManager(self.experts, count, routers, mc.num_experts_per_tok, cfg.prefetch,
+                                            popularity)  # fmt: skip
         self.experts.place(initial_offload(cfg.expert_policy, count, self.experts, Adjuster(ranking, count)))
+        if is_cost:  # after the placement, whose copies are its first bandwidth sample
+            thresholds = CostThresholds(copy_compute_ratio=cfg.copy_compute_ratio, ttft_slo=cfg.ttft_slo)
+            self.adjuster = CostAdjuster(popularity, count, self.experts, mc.num_experts_per_tok, thresholds)
 
-    def _reclaimable_expert_pages(self) -> int:
-        """Expert pages the adjuster could still free by evicting (0 unless elastic)."""
+    def _reclaimable_expert_pages(self, stalled: bool | None = None) -> int:
+        """Expert pages the adjuster could still free by evicting this round (0 unless elastic). `stalled`: nothing
+        but evicting can free pages (default: at most one request running), which overrides the cost rule."""
         if self.adjuster is None:
             return 0
-        limit = self.adjuster.offload_limit * len(self.experts.layer_ids)
-        return (limit - self.experts.num_offloaded) * 3
+        stalled = self._is_stalled() if stalled is None else stalled
+        return self.adjuster.reclaimable_experts(self.experts.offloaded, stalled) * 3
+
+    def _is_stalled(self) -> bool:
+        return len(self.scheduler.running) <= 1
 
     @property
     def expert_stats(self) -> dict:
         """Counters of expert traffic plus the pool split now, for metrics and the dashboard."""
         buffer_pages = sum(len(b.slots) for b in self.expert_manager.buffers) * 3
-        return self.expert_manager.stats.as_dict() | self.allocator.stats() | {
+        estimates = getattr(self.adjuster, "estimates", {})  # the cost adjuster's model: why the pool moved
+        return self.expert_manager.stats.as_dict() | self.allocator.stats() | estimates | {
             "buffer_pages": buffer_pages,  # loading buffers, counted in expert_used_pages too
             "offloaded_experts": self.experts.num_offloaded,
             "running": len(self.scheduler.running),
@@ -158,16 +172,20 @@ class Engine:
         batch = self.scheduler.schedule()
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         self.expert_manager.begin_step(self._adjust(batch.kv_shortfall_pages))
+        start = time.perf_counter()
         try:
             return self._run(batch)
         finally:
             self.expert_manager.end_step()
+            if isinstance(self.adjuster, CostAdjuster):  # the step's wall time: forward, sampling, expert copies
+                self.adjuster.observe(time.perf_counter() - start, batch.num_tokens, self.scheduler.waiting)
 
     def _adjust(self, kv_shortfall_pages: int) -> ChangeList:
         if self.adjuster is None:
             return ChangeList()
         short = self.allocator.expert_pages_for(kv_shortfall_pages)
-        return self.adjuster.adjust(short, self.allocator.num_free_expert_pages, self.experts.offloaded)
+        free = self.allocator.num_free_expert_pages
+        return self.adjuster.adjust(short, free, self.experts.offloaded, self._is_stalled())
 
     def _run(self, batch) -> list[Request]:
         if not batch.requests:

@@ -3,7 +3,12 @@
 On CUDA, copies run on a side stream from pinned host memory and return an event; `wait` makes the compute stream
 wait for it, so a layer never reads a page whose copy has not landed. On CPU a copy is done when it returns and
 events are None, so the same code paths run in the tests.
+
+Every copy is timed for the cost model (`take_timings`): a pair of CUDA events around it on a GPU, its wall time
+on CPU.
 """
+
+import time
 
 import torch
 
@@ -14,6 +19,8 @@ class ExpertCopier:
         self.is_cuda = expert_view.device.type == "cuda"
         self.stream = torch.cuda.Stream(expert_view.device) if self.is_cuda else None
         self.bytes_copied = 0
+        self._timed: list[tuple[int, object, object]] = []  # (bytes, start event, end event) not yet read
+        self._done_bytes, self._done_seconds = 0, 0.0  # finished copies not yet taken
 
     def copy(self, page_ids: list[int], matrices, after=None, side_stream: bool = True):
         """Copy one expert's matrices into `page_ids`; returns the event that marks the copy done (None on CPU).
@@ -21,18 +28,39 @@ class ExpertCopier:
         `after`: an event the copy must wait for (the last reader of the destination pages). With
         `side_stream=False` the copy is queued on the compute stream (the miss path, which must finish anyway).
         """
-        self.bytes_copied += sum(m.numel() * m.element_size() for m in matrices)
+        num_bytes = sum(m.numel() * m.element_size() for m in matrices)
+        self.bytes_copied += num_bytes
         if not self.is_cuda:
+            start = time.perf_counter()
             self._copy(page_ids, matrices)
+            self._done_bytes += num_bytes
+            self._done_seconds += time.perf_counter() - start
             return None
         stream = self.stream if side_stream else torch.cuda.current_stream()
         with torch.cuda.stream(stream):
             if after is not None:
                 stream.wait_event(after)
+            begin = torch.cuda.Event(enable_timing=True)
+            begin.record(stream)
             self._copy(page_ids, matrices)
-            done = torch.cuda.Event()
+            done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
+        self._timed.append((num_bytes, begin, done))
         return done
+
+    def take_timings(self) -> tuple[int, float]:
+        """(bytes, seconds) of the copies finished since the last call; copies still in flight wait for the next."""
+        pending = []
+        for num_bytes, begin, done in self._timed:
+            if done.query():
+                self._done_bytes += num_bytes
+                self._done_seconds += begin.elapsed_time(done) / 1e3
+            else:
+                pending.append((num_bytes, begin, done))
+        self._timed = pending
+        taken = (self._done_bytes, self._done_seconds)
+        self._done_bytes, self._done_seconds = 0, 0.0
+        return taken
 
     def _copy(self, page_ids: list[int], matrices) -> None:
         for page_id, matrix in zip(page_ids, matrices):

@@ -11,6 +11,9 @@ Inside a pass, `on_routing` runs before each MoE layer's kernel:
   3. prediction for the next MoE layer (its router on this layer's input, the Fate idea): its offloaded experts,
      ranked by predicted tokens, are prefetched into the other buffer on the side stream.
 The two buffers, each `buffer_experts` experts x 3 pages inside the pool, alternate by MoE layer ordinal.
+
+With an `ExpertPopularity`, every layer's routing is also counted on the device (`count_routing`, the whole hook
+when nothing is offloaded: no host sync).
 """
 
 import time
@@ -22,6 +25,7 @@ import torch
 from rimuru.adjuster import ChangeList
 from rimuru.expert_store import ExpertStore
 from rimuru.memory import EXPERT, PAGES_PER_EXPERT
+from rimuru.popularity import ExpertPopularity
 
 
 @dataclass
@@ -48,8 +52,9 @@ class _Buffer:
 
 class ExpertManager:
     def __init__(self, store: ExpertStore, buffer_experts: int, routers: dict[int, torch.Tensor], top_k: int,
-                 predict: bool = True):  # fmt: skip
+                 predict: bool = True, popularity: ExpertPopularity | None = None):  # fmt: skip
         self.store, self.copier = store, store.copier
+        self.popularity = popularity
         self.routers, self.top_k = routers, top_k  # MoE layer -> router weight [E, D]; experts per token
         self.predict = predict
         self.moe_layers = store.layer_ids
@@ -71,6 +76,14 @@ class ExpertManager:
     def is_active(self) -> bool:
         """Whether this pass needs the routing hook: some expert is on the host or on its way in."""
         return bool(self.store.num_offloaded or self.pending_add)
+
+    @property
+    def counting_hook(self):
+        """The routing hook of a pass with every expert resident: counting only, or None when nothing counts."""
+        return self.count_routing if self.popularity is not None else None
+
+    def count_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        self.popularity.record(layer, topk_ids)
 
     # ---- between passes ----------------------------------------------------------------------------------------
 
@@ -105,6 +118,8 @@ class ExpertManager:
     def on_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """Make every expert routed at `layer` readable through `working_tables[layer]` before its kernel runs."""
         start = time.perf_counter()
+        if self.popularity is not None:
+            self.popularity.record(layer, topk_ids)
         for key in [k for k in self.pending_add if k[0] == layer]:
             self._publish(*key)
         row = self.working_tables[layer]  # [E, 3]

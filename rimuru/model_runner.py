@@ -59,6 +59,6 @@ class ModelRunner:
             kv_view=self.kv_view,
             expert_view=self.experts.store.expert_view,
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
-            on_routing=self.experts.on_routing if active else None,
+            on_routing=self.experts.on_routing if active else self.experts.counting_hook,
         )
         return torch.tensor(tokens, dtype=torch.int64).to(dev, non_blocking=True), ctx, sample_rows

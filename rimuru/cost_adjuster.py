@@ -1,0 +1,164 @@
+"""The cost-aware adjuster (`adjuster="cost"`): evict only while the copies stay hidden under compute, grow back
+hottest-first once pages have stayed free, never bounce.
+
+Pure functions of measured inputs decide the counts (tested on hand-computed cases):
+- `affordable_evictions`: how many nominees, cheapest first, can leave while a step's predicted copy time stays
+  within `ratio` x its compute time;
+- `plan_cost_adjustment`: short of pages -> evict what is needed, capped by the affordable count unless forced
+  (a TTFT target missed, or nothing else can free pages); not short and free pages above the threshold for
+  `grow_after_rounds` rounds in a row -> add back; otherwise nothing. There is no precautionary eviction.
+
+`CostAdjuster` is the thin stateful part: the live measurements (`CostModel`), online popularity
+(`ExpertPopularity`, which also orders nominations), hysteresis (an evicted expert stays out for
+`readd_after_rounds` rounds; the free-rounds streak) and the estimates the engine exposes in `expert_stats`.
+It never touches pages: like `Adjuster`, it returns a `ChangeList` for the `ExpertManager`.
+"""
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rimuru.adjuster import Adjuster, ChangeList
+from rimuru.cost_model import CostModel, copy_seconds, touch_probability
+from rimuru.popularity import ExpertPopularity
+
+
+@dataclass(frozen=True)
+class CostThresholds:
+    copy_compute_ratio: float = 1.0  # evict while predicted copy time per step <= this x compute time per step
+    ttft_slo: float | None = None  # seconds the oldest waiting request may wait before evicting despite the cost
+    grow_above_free: int = 9  # free expert pages above this let experts come back...
+    grow_after_rounds: int = 16  # ...once they have stayed above it this many rounds in a row
+    readd_after_rounds: int = 64  # an evicted expert is not added back before this many rounds
+    max_add_per_round: int = 5
+    cushion_pages: int = 1
+    pages_per_expert: int = 3
+
+
+def affordable_evictions(base_copy_s: float, marginal_copy_s: Sequence[float], compute_s: float, ratio: float) -> int:
+    """How many of the nominees (in order) may leave: the predicted copy time per step, `base_copy_s` for the
+    experts already offloaded plus each nominee's marginal copy time, must stay <= `ratio` x `compute_s`."""
+    total, count = base_copy_s, 0
+    for cost in marginal_copy_s:
+        total += cost
+        if total > ratio * compute_s:
+            break
+        count += 1
+    return count
+
+
+def plan_cost_adjustment(short_pages: int, free_pages: int, affordable: int, forced: bool, free_rounds: int,
+                         t: CostThresholds = CostThresholds()) -> tuple[int, int]:  # fmt: skip
+    """(experts to evict, experts to add). Short by 8, 5 affordable -> (3, 0); short by 8, 1 affordable -> (1, 0),
+    or (3, 0) when forced; 20 free for `grow_after_rounds` rounds -> (0, 3); else (0, 0)."""
+    if short_pages > 0:
+        wanted = -(-(short_pages + t.cushion_pages) // t.pages_per_expert)
+        return (wanted if forced else min(wanted, affordable)), 0
+    if free_pages > t.grow_above_free and free_rounds >= t.grow_after_rounds:
+        return 0, min(t.max_add_per_round, (free_pages - t.grow_above_free) // t.pages_per_expert)
+    return 0, 0
+
+
+class CostAdjuster:
+    def __init__(self, popularity: ExpertPopularity, offload_limit: int, store, top_k: int,
+                 thresholds: CostThresholds = CostThresholds(), cost: CostModel | None = None):  # fmt: skip
+        self.popularity, self.offload_limit, self.store, self.top_k = popularity, offload_limit, store, top_k
+        self.ranking = popularity  # what `Adjuster` users read
+        self.thresholds, self.cost = thresholds, cost or CostModel()
+        self.nominator = Adjuster(popularity, offload_limit)
+        self.expert_bytes = sum(m.numel() * m.element_size() for m in store.host[store.layer_ids[0]].matrices(0))
+        self.round = 0
+        self.evicted_at: dict[tuple[int, int], int] = {}  # (layer, expert) -> round of its last eviction
+        self.free_rounds = 0  # rounds in a row not short and above `grow_above_free`
+        self.first_waiting: dict[str, float] = {}  # request id -> when first seen waiting
+        self.oldest_wait_s = 0.0
+        self.measured_copy_s: float | None = None  # moving average of copy seconds per step
+        self.estimates: dict[str, float] = {}
+        self.cost.observe_copies(*store.copier.take_timings())  # start-up placement: the first bandwidth sample
+        self._affordable = 0
+        self.refresh()
+
+    @property
+    def slo_missed(self) -> bool:
+        return self.thresholds.ttft_slo is not None and self.oldest_wait_s > self.thresholds.ttft_slo
+
+    # ---- the round ---------------------------------------------------------------------------------------------
+
+    def reclaimable_experts(self, offloaded: dict[int, set[int]], stalled: bool = False) -> int:
+        """Experts this round may still evict: the affordable ones, or all under the cap when forced. Pure."""
+        capped = self.offload_limit * len(offloaded) - sum(map(len, offloaded.values()))
+        return capped if stalled or self.slo_missed else min(capped, self._affordable)
+
+    def adjust(self, short_pages: int, free_pages: int, offloaded: dict[int, set[int]],
+               stalled: bool = False) -> ChangeList:  # fmt: skip
+        """This round's change list. Mutates only the hysteresis state."""
+        t = self.thresholds
+        self.round += 1
+        self.free_rounds = self.free_rounds + 1 if short_pages == 0 and free_pages > t.grow_above_free else 0
+        forced = stalled or self.slo_missed
+        num_evict, num_add = plan_cost_adjustment(
+            short_pages, free_pages, self._affordable, forced, self.free_rounds, t
+        )
+        changes = ChangeList(evict=self.nominator.nominate_evictions(num_evict, offloaded))
+        if num_add:
+            cooled = {
+                layer: {e for e in experts if not self._cooling(layer, e)} for layer, experts in offloaded.items()
+            }
+            changes.add = self.nominator.nominate_additions(num_add, cooled)
+        if changes.add:
+            self.free_rounds = 0  # NOTE: the next growth waits for the pages to stay free again
+        for key in changes.evict:
+            self.evicted_at[key] = self.round
+        return changes
+
+    def _cooling(self, layer: int, expert: int) -> bool:
+        evicted = self.evicted_at.get((layer, expert))
+        return evicted is not None and self.round - evicted < self.thresholds.readd_after_rounds
+
+    # ---- after the forward pass --------------------------------------------------------------------------------
+
+    def observe(self, step_seconds: float, num_tokens: int, waiting: Sequence = ()) -> None:
+        """Feed one step's measurements (wall time, tokens, the waiting queue), then refresh the estimates."""
+        if num_tokens > 0:
+            self.cost.observe_step(step_seconds, num_tokens)
+        num_bytes, seconds = self.store.copier.take_timings()
+        self.cost.observe_copies(num_bytes, seconds)
+        previous, weight = self.measured_copy_s, self.cost.weight
+        self.measured_copy_s = seconds if previous is None else (1 - weight) * previous + weight * seconds
+        self._observe_waiting(waiting)
+        self.popularity.flush()
+        self.refresh()
+
+    def _observe_waiting(self, waiting: Sequence) -> None:
+        now = time.monotonic()
+        self.first_waiting = {r.request_id: self.first_waiting.get(r.request_id, now) for r in waiting}
+        self.oldest_wait_s = now - min(self.first_waiting.values()) if self.first_waiting else 0.0
+
+    def refresh(self) -> None:
+        """Recompute the affordable evictions and the estimates from the current measurements and placement."""
+        offloaded = self.store.offloaded
+        if not self.cost.is_measured:
+            self._affordable, self.estimates = 0, {"cost_measured": 0}
+            return
+        c, num_tokens = self.cost, self.cost.tokens_per_step
+        shares = [self.popularity.share(layer, e) for layer, experts in offloaded.items() for e in experts]
+        base = copy_seconds(shares, num_tokens, self.top_k, self.expert_bytes, c.bandwidth)
+        nominees = self.nominator.nominate_evictions(self.offload_limit * len(offloaded), offloaded)
+        marginal = [copy_seconds([self.popularity.share(*key)], num_tokens, self.top_k, self.expert_bytes, c.bandwidth)
+                    for key in nominees]  # fmt: skip
+        self._affordable = affordable_evictions(base, marginal, c.compute_s, self.thresholds.copy_compute_ratio)
+        touch = [touch_probability(p, num_tokens, self.top_k) for p in shares]
+        self.estimates = {
+            "cost_measured": 1,
+            "cost_bandwidth_gb_s": c.bandwidth / 1e9,
+            "cost_compute_ms": c.compute_s * 1e3,
+            "cost_tokens_per_step": num_tokens,
+            "cost_predicted_copy_ms": base * 1e3,  # for the experts offloaded now
+            "cost_measured_copy_ms": (self.measured_copy_s or 0.0) * 1e3,
+            "cost_affordable_evictions": self._affordable,
+            "cost_next_eviction_ms": marginal[0] * 1e3 if marginal else 0.0,
+            "cost_touch_p_mean": sum(touch) / len(touch) if touch else 0.0,
+            "cost_touch_p_max": max(touch, default=0.0),
+            "cost_oldest_wait_s": self.oldest_wait_s,
+            "cost_slo_missed": int(self.slo_missed),
+        }

@@ -1,0 +1,54 @@
+"""`ExpertPopularity`: how often each routed expert is picked now, per MoE layer, learned online from routing.
+
+Counts decay exponentially (`half_life_steps`) so the order follows a shifting workload, and start from the offline
+ranking (`rimuru profile`) weighted as `prior_routings` routings a layer, so the first steps are not blind. It reads
+like an `ExpertRanking` (`share`, `hottest_first`), so the adjusters order evictions and growth by it.
+
+Counting never adds a host sync: `record` adds a `torch.bincount` of the layer's top-k ids into a device tensor
+(kernels queued behind the router), and `flush` pulls the whole [L, E] tensor to the host once per step, after the
+forward pass has synchronised anyway (the sampler reads the tokens). It does not own the routing hook: the expert
+manager calls `record`.
+"""
+
+import torch
+
+from rimuru.expert_ranking import ExpertRanking
+
+
+class ExpertPopularity:
+    def __init__(self, ranking: ExpertRanking, num_experts: int, device: torch.device | str = "cpu",
+                 half_life_steps: float = 64.0, prior_routings: float = 1024.0):  # fmt: skip
+        self.layer_ids = sorted(ranking.shares)
+        self.num_experts = num_experts
+        self.row = {layer: i for i, layer in enumerate(self.layer_ids)}
+        self.decay = 0.5 ** (1.0 / half_life_steps)  # per flush
+        prior = torch.tensor([ranking.shares[layer] for layer in self.layer_ids], dtype=torch.float64)  # [L, E]
+        self.counts = prior * prior_routings  # [L, E] decayed routings, on the host
+        self.pending = torch.zeros(len(self.layer_ids), num_experts, dtype=torch.int64, device=device)  # [L, E]
+        self._probs: dict[int, list[float]] = {}  # layer -> [E] shares, cached between flushes
+
+    def record(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Count one layer's routing ([T, K] expert ids) on the device. No host sync."""
+        self.pending[self.row[layer]] += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
+
+    def flush(self) -> None:
+        """Decay the counts and add what was recorded since the last flush (one device -> host copy)."""
+        self.counts = self.counts * self.decay + self.pending.cpu().double()
+        self.pending.zero_()
+        self._probs = {}
+
+    def share(self, layer: int, expert: int) -> float:
+        return self.probabilities(layer)[expert]
+
+    def probabilities(self, layer: int) -> list[float]:
+        """[E] each expert's share of the layer's routings (sums to 1). Do not mutate: cached until `flush`."""
+        if layer not in self._probs:
+            row = self.counts[self.row[layer]]
+            total = float(row.sum())
+            self._probs[layer] = (row / total).tolist() if total > 0 else [1.0 / self.num_experts] * self.num_experts
+        return self._probs[layer]
+
+    def hottest_first(self, layer: int) -> list[int]:
+        """Expert ids of `layer`, hottest first; equal shares keep the lower id first."""
+        shares = self.probabilities(layer)
+        return sorted(range(self.num_experts), key=lambda e: (-shares[e], e))

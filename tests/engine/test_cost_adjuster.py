@@ -1,0 +1,137 @@
+"""The cost-aware adjuster: its rule on hand-computed numbers, hysteresis, online popularity, and the invariant that
+it changes speed, never tokens."""
+
+from dataclasses import replace
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from rimuru.cost_adjuster import CostAdjuster, CostThresholds, affordable_evictions, plan_cost_adjustment
+from rimuru.cost_model import copy_seconds, kv_pages_freed, touch_probability
+from rimuru.expert_ranking import ExpertRanking
+from rimuru.popularity import ExpertPopularity
+from tests.engine.test_experts import budget_for, run
+
+# share 0.01, 10 tokens x top-2: P(touched) = 1 - 0.99^20 = 0.182093; 1 MB at 1 GB/s -> 0.182093 ms a step
+SHARE, TOKENS, TOP_K, EXPERT_BYTES = 0.01, 10, 2, 10**6
+
+
+def test_touch_probability_and_copy_time_by_hand():
+    assert touch_probability(SHARE, TOKENS, TOP_K) == pytest.approx(0.182093, abs=1e-6)
+    assert touch_probability(0.0, 1000, 8) == 0.0 and touch_probability(1.0, 1, 1) == 1.0
+    assert copy_seconds([SHARE] * 2, TOKENS, TOP_K, EXPERT_BYTES, 1e9) == pytest.approx(2 * 0.182093e-3, rel=1e-5)
+    assert kv_pages_freed(2, 3, 4) == 24  # 2 experts x 3 expert pages x 4 KV pages each
+
+
+def test_cheap_copies_evict():
+    """1 GB/s: each nominee adds 0.182 ms; 1 ms of compute hides five (0.91 ms); short by 8 pages -> evict 3."""
+    marginal = [copy_seconds([SHARE], TOKENS, TOP_K, EXPERT_BYTES, 1e9)] * 6
+    assert affordable_evictions(0.0, marginal, compute_s=1e-3, ratio=1.0) == 5
+    assert plan_cost_adjustment(8, 0, affordable=5, forced=False, free_rounds=0) == (3, 0)
+    assert plan_cost_adjustment(8, 0, affordable=2, forced=False, free_rounds=0) == (2, 0)  # as far as it is cheap
+
+
+def test_expensive_copies_refuse():
+    """0.1 GB/s: one nominee alone adds 1.82 ms > 1 ms of compute; half a ms already offloaded leaves no room."""
+    marginal = [copy_seconds([SHARE], TOKENS, TOP_K, EXPERT_BYTES, 1e8)]
+    assert affordable_evictions(0.0, marginal, compute_s=1e-3, ratio=1.0) == 0
+    assert affordable_evictions(0.0, marginal, compute_s=1e-3, ratio=2.0) == 1  # the ratio buys slack
+    assert affordable_evictions(0.9e-3, [0.182093e-3], compute_s=1e-3, ratio=1.0) == 0
+    assert plan_cost_adjustment(8, 0, affordable=0, forced=False, free_rounds=0) == (0, 0)
+    assert plan_cost_adjustment(0, 1, affordable=0, forced=False, free_rounds=0) == (0, 0)  # no precaution
+
+
+def test_a_missed_slo_evicts_despite_the_cost():
+    assert plan_cost_adjustment(8, 0, affordable=0, forced=True, free_rounds=0) == (3, 0)
+
+
+def test_growth_waits_for_pages_to_stay_free():
+    t = CostThresholds(grow_after_rounds=3)
+    assert plan_cost_adjustment(0, 20, 0, False, free_rounds=2, t=t) == (0, 0)
+    assert plan_cost_adjustment(0, 20, 0, False, free_rounds=3, t=t) == (0, 3)  # (20 - 9) // 3
+    assert plan_cost_adjustment(0, 9, 0, False, free_rounds=9, t=t) == (0, 0)
+
+
+def fake_store(offloaded: dict[int, set[int]]):
+    return SimpleNamespace(host={0: SimpleNamespace(matrices=lambda e: [torch.zeros(250_000)])}, layer_ids=[0],
+                           copier=SimpleNamespace(take_timings=lambda: (0, 0.0)), offloaded=offloaded)  # fmt: skip
+
+
+def test_cost_adjuster_never_bounces_and_slo_overrides():
+    """One layer of 4 experts (1 MB each, fp32); ranking 0.4/0.3/0.2/0.1."""
+    popularity = ExpertPopularity(ExpertRanking({0: (0.4, 0.3, 0.2, 0.1)}), 4)
+    offloaded = {0: set()}
+    t = CostThresholds(grow_after_rounds=2, readd_after_rounds=3, ttft_slo=5.0)
+    adjuster = CostAdjuster(popularity, 2, fake_store(offloaded), top_k=1, thresholds=t)
+    assert adjuster.adjust(8, 0, offloaded).evict == []  # nothing measured yet: no eviction without force
+    adjuster.cost.pin(bandwidth=1e12, compute_s=1.0, tokens_per_step=1.0)
+    adjuster.refresh()
+    assert adjuster.reclaimable_experts(offloaded) == 2
+    assert adjuster.adjust(8, 0, offloaded).evict == [(0, 3), (0, 2)]  # coldest first, the cap is 2
+    offloaded[0] |= {3, 2}
+    rounds = [adjuster.adjust(0, 20, offloaded).add for _ in range(4)]
+    assert rounds == [[], [], [(0, 2), (0, 3)], []]  # free twice in a row, and not before 3 rounds out
+    adjuster.cost.pin(bandwidth=1.0)  # copies now cost a second a byte: nothing is affordable
+    offloaded[0].clear()
+    adjuster.refresh()
+    assert adjuster.reclaimable_experts(offloaded) == 0 and adjuster.adjust(8, 0, offloaded).evict == []
+    adjuster.oldest_wait_s = 6.0  # the oldest waiting request has waited past the 5 s target
+    assert adjuster.reclaimable_experts(offloaded) == 2 and len(adjuster.adjust(8, 0, offloaded).evict) == 2
+    assert adjuster.adjust(4, 0, offloaded, stalled=True).evict == [(0, 3), (0, 2)]  # nothing else frees pages
+
+
+def test_online_popularity_follows_a_shifted_distribution():
+    """Half-life 16 steps: 4 half-lives (64 steps) after the shift, old routings weigh 1/16 and the learned shares
+    are within 0.1 (total variation) of the new distribution."""
+    old = torch.tensor([0.4, 0.25, 0.15, 0.1, 0.05, 0.03, 0.01, 0.01])
+    new = old.flip(0)
+    popularity = ExpertPopularity(ExpertRanking({0: tuple(old.tolist())}), 8, half_life_steps=16, prior_routings=64)
+    assert popularity.hottest_first(0) == [0, 1, 2, 3, 4, 5, 6, 7]  # seeded by the offline ranking
+    generator = torch.Generator().manual_seed(0)
+
+    def steps(distribution: torch.Tensor, count: int) -> None:
+        for _ in range(count):  # 64 tokens x top-2 a step
+            popularity.record(
+                0, torch.multinomial(distribution, 128, replacement=True, generator=generator).view(64, 2)
+            )
+            popularity.flush()
+
+    def distance(target: torch.Tensor) -> float:
+        return 0.5 * (torch.tensor(popularity.probabilities(0)) - target).abs().sum().item()
+
+    steps(old, 200)
+    assert distance(old) < 0.05 and distance(new) > 0.5
+    steps(new, 64)
+    assert distance(new) < 0.1
+    assert popularity.hottest_first(0)[:3] == [7, 6, 5]
+
+
+def cost_run(folder, prompts, bandwidth, **options):
+    """`run` with the cost adjuster, copies pinned at `bandwidth` bytes/s and a second of compute a step."""
+    from rimuru import LLM
+    from tests.engine.test_experts import GREEDY
+
+    llm = LLM(folder, progress=False, adjuster="cost", **options)
+    adjuster = llm.engine.adjuster
+    adjuster.cost.pin(bandwidth=bandwidth, compute_s=1.0)
+    adjuster.thresholds = replace(adjuster.thresholds, grow_after_rounds=2, readd_after_rounds=4)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    llm.engine.allocator.check_integrity()
+    return llm.engine, tokens
+
+
+def test_cost_adjuster_changes_speed_never_tokens(family):
+    folder, prompts, expected = family
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    cheap, tokens = cost_run(folder, prompts, bandwidth=1e15, gpu_memory_budget=budget, expert_offload_limit=3)
+    stats = cheap.expert_stats
+    assert stats["evictions"] > 0 and stats["additions"] > 0 and stats["cost_measured"] == 1
+    assert stats["cost_affordable_evictions"] > 0 and "cost_predicted_copy_ms" in stats
+    assert tokens == expected
+    dear, tokens = cost_run(folder, prompts, bandwidth=1.0, gpu_memory_budget=budget, expert_offload_limit=3)
+    assert dear.expert_stats["cost_affordable_evictions"] == 0
+    assert dear.expert_stats["evictions"] < stats["evictions"]  # only when stalled: preempting beats copying
+    assert tokens == expected
+    resident, tokens = run(folder, prompts, expert_policy="resident", adjuster="cost")
+    assert tokens == expected and resident.expert_stats["offloaded_experts"] == 0
