@@ -11,8 +11,11 @@ suffice; a program finds its request by binary search and exits when it has no q
     rows of one program:  (q0,h0) (q0,h1) .. (q0,hG-1) (q1,h0) ..       query q sits at position ctx + q
     K/V token n        ->  kv_view[page_table[b, n // S], 0 or 1, n % S, kv_head, :]   (through the view's strides)
 
+Decode-only batches (T == B) whose shapes call for more than one split go to the split-KV kernel
+(`rimuru.ops.split_kv_attention`); everything else runs here.
+
 Performance (H200, bf16, docs/benchmarks/kernels.md): decode of 64 requests x 1024 tokens with Qwen3-30B-A3B heads
-takes 49 us, 2.74 TB/s, 65% of the measured copy bandwidth (no split over the KV length yet).
+takes 49 us, 2.74 TB/s, 65% of the measured copy bandwidth, unsplit.
 """
 
 import torch
@@ -20,8 +23,7 @@ import triton
 import triton.language as tl
 
 from rimuru.ops import reference
-
-LOG2_E = 1.4426950408889634
+from rimuru.ops.split_kv_attention import LOG2_E, decode_splits, num_sms, split_kv_attention_triton
 
 
 @triton.jit
@@ -94,13 +96,27 @@ def _paged_attention_kernel(
     tl.store(p_o, b_out.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
 
-def attention_config(num_tokens: int, num_requests: int, group: int) -> dict:
-    """Decode-only batches (T == B) take one query a program and long K/V tiles (best of a sweep on an H200);
-    prefill chunks take enough rows to fill a tile."""
+def attention_config(num_tokens: int, num_requests: int, group: int, num_splits: int = 1) -> dict:
+    """Decode-only batches (T == B) take one query a program and long K/V tiles (best of a sweep on an H200),
+    split `num_splits` ways; prefill chunks take enough rows to fill a tile and are never split."""
     group_pad = triton.next_power_of_2(group)
     if num_tokens <= num_requests:
-        return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": 128, "num_warps": 8, "num_stages": 2}
-    return {"BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+        return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": 128, "num_warps": 8, "num_stages": 2,
+                "NUM_SPLITS": num_splits}
+    return {"BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "NUM_SPLITS": 1}
+
+
+def default_config(query, kv_view, page_table, num_requests) -> dict:
+    """The launcher's config from shapes alone. NOTE: T == B means decode-only because every scheduled request
+    brings at least one token; the split kernel is correct for any batch, so a caller breaking that only loses speed.
+    """
+    num_tokens, num_heads, _ = query.shape
+    _, _, page_tokens, num_kv_heads, _ = kv_view.shape
+    num_splits = 1
+    if num_tokens == num_requests:
+        max_kv_tokens = page_table.shape[1] * page_tokens
+        num_splits = decode_splits(num_requests, num_kv_heads, max_kv_tokens, num_sms(query.device))
+    return attention_config(num_tokens, num_requests, num_heads // num_kv_heads, num_splits)
 
 
 def paged_attention_triton(
@@ -115,12 +131,14 @@ def paged_attention_triton(
     num_tokens, num_heads, head_dim = query.shape
     _, _, page_tokens, num_kv_heads, _ = kv_view.shape
     num_requests = seq_lens.shape[0]
+    cfg = config or default_config(query, kv_view, page_table, num_requests)
+    if cfg.get("NUM_SPLITS", 1) > 1:
+        return split_kv_attention_triton(query, kv_view, page_table, seq_lens, query_start_loc, scale, cfg)
     out = torch.empty_like(query)
     if num_tokens == 0 or num_requests == 0:
         return out
     assert query.stride(2) == 1, "query rows must be contiguous in the head dim"
     group = num_heads // num_kv_heads
-    cfg = config or attention_config(num_tokens, num_requests, group)
     grid = (num_tokens // cfg["BLOCK_Q"] + num_requests, num_kv_heads)
     _paged_attention_kernel[grid](
         query, kv_view, page_table, seq_lens, query_start_loc, out,

@@ -11,11 +11,15 @@ MoE, per model shape and M = 1, 2, 4, ..., 4096 tokens (bf16, softmax top-k rout
   vllm      vLLM 0.33.0 fused MoE GEMMs + activation, copied from shared/ANCHORS.md (NOT measured here)
   roofline  max(bytes of the experts touched / 4.2 TB/s, FLOPs / 764 TFLOP/s), ceilings from ANCHORS.md
 Attention: decode, batch 64, 1024-token contexts, Hq=32, Hk=4, Dh=128, 16-token pages in shuffled order; achieved
-bandwidth = K/V bytes read (+ queries, outputs) / time; a few tile configs are swept and all are reported.
+bandwidth = K/V bytes read (+ queries, outputs) / time, and its share of the device-to-device copy measured in the same
+run. The dispatcher's default, 18 unsplit tiles and 32 split-KV ones (2 to 16 splits) are timed; then the default
+against the unsplit kernel at other batch sizes and context lengths (checks the split-count heuristic).
+Top-k sum: the whole op's torch reduction over [T, K, D] bf16 at M = 64, 1024, 4096, as achieved bandwidth.
 Times are medians of CUDA-event timings after warm-up (triton.testing.do_bench, L2 flushed before each run).
 """
 
 import argparse
+import functools
 import json
 import os
 import sys
@@ -25,7 +29,7 @@ import torch
 
 from rimuru.ops import reference
 from rimuru.ops.moe_align import align_tokens, align_tokens_torch, align_tokens_triton
-from rimuru.ops.paged_attention import paged_attention_triton
+from rimuru.ops.paged_attention import default_config, paged_attention_triton
 from rimuru.ops.paged_moe import moe_gemms, paged_moe_triton
 from rimuru.ops.configs import moe_config
 
@@ -126,38 +130,72 @@ def bench_moe_point(name, shape, num_tokens, pools, device, dtype, smoke):
     return row
 
 
-def bench_attention(device, dtype, smoke):
-    batch, context, num_heads, num_kv_heads, head_dim, page_tokens = 64, 1024, 32, 4, 128, 16
-    if smoke:
-        batch, context, num_heads, num_kv_heads, head_dim, page_tokens = 3, 40, 8, 2, 32, 4
-    pages_each = context // page_tokens
+def decode_inputs(batch, context, device, dtype, smoke):
+    """A decode step: `batch` requests of `context` tokens (this step's included), 16-token pages in shuffled order."""
+    num_heads, num_kv_heads, head_dim, page_tokens = (8, 2, 32, 4) if smoke else (32, 4, 128, 16)
+    pages_each = -(-context // page_tokens)
     num_pages = batch * pages_each + 64
     kv_view = torch.randn(num_pages, 2, page_tokens, num_kv_heads, head_dim, device=device, dtype=dtype)
     page_table = torch.randperm(num_pages, device=device)[: batch * pages_each].view(batch, pages_each)
-    page_table = page_table.to(torch.int32)
     seq_lens = torch.full((batch,), context, device=device, dtype=torch.int32)
     query_start_loc = torch.arange(batch + 1, device=device, dtype=torch.int32)
     query = torch.randn(batch, num_heads, head_dim, device=device, dtype=dtype)
-    args = (query, kv_view, page_table, seq_lens, query_start_loc, head_dim**-0.5)
-    moved = 2 * batch * context * num_kv_heads * head_dim * 2 + 2 * query.numel() * 2
-    group = num_heads // num_kv_heads
-    configs = [None] + [
-        {"BLOCK_Q": max(1, 16 // group), "BLOCK_N": n, "num_warps": w, "num_stages": s}
-        for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)
-    ]
-    rows = []
-    for cfg in configs[: 2 if smoke else None]:
-        try:
-            ms = time_ms(lambda: paged_attention_triton(*args, config=cfg), smoke)
-        except Exception as error:  # a tile that does not fit (shared memory) is skipped, not fatal
-            rows.append({"config": cfg, "error": str(error)[:200]})
-            continue
-        rows.append({"config": cfg or "default", "ms": ms, "bytes": moved, "tb_per_s": moved / ms / 1e9})
+    moved = 2 * batch * context * num_kv_heads * head_dim * 2 + 2 * query.numel() * 2  # K, V, queries, outputs
+    return (query, kv_view, page_table.to(torch.int32), seq_lens, query_start_loc, head_dim**-0.5), moved
+
+
+def time_attention(args, moved, cfg, smoke, copy_tb_per_s):
+    try:
+        ms = time_ms(lambda: paged_attention_triton(*args, config=cfg), smoke)
+    except Exception as error:  # a tile that does not fit (shared memory) is skipped, not fatal
+        return {"config": cfg, "error": str(error)[:200]}
+    row = {"config": cfg or "default", "ms": ms, "bytes": moved, "tb_per_s": moved / ms / 1e9}
+    return row | ({"of_copy": row["tb_per_s"] / copy_tb_per_s} if copy_tb_per_s else {})
+
+
+def decode_configs(group, smoke):
+    """The dispatcher's default, then unsplit and split-KV tiles."""
+    tiles = [(n, w, s) for n in (32, 64, 128) for w in (4, 8) for s in (2, 3, 4)]
+    unsplit = [{"BLOCK_Q": max(1, 16 // group), "BLOCK_N": n, "num_warps": w, "num_stages": s, "NUM_SPLITS": 1}
+               for n, w, s in tiles]
+    split = [{"BLOCK_Q": max(1, 16 // group), "BLOCK_N": n, "num_warps": w, "num_stages": s, "NUM_SPLITS": k}
+             for k in (2, 4, 8, 16) for n in (64, 128) for w in (4, 8) for s in (2, 3)]
+    return [None] + (unsplit[:1] + split[:2] if smoke else unsplit + split)
+
+
+def bench_attention(device, dtype, smoke, copy_tb_per_s=None):
+    """Sweep at the target shape (B 64, 1024 tokens), then the default vs the best unsplit tile at other shapes."""
+    batch, context = (3, 40) if smoke else (64, 1024)
+    args, moved = decode_inputs(batch, context, device, dtype, smoke)
+    group = args[0].shape[1] // args[1].shape[3]
+    rows = [time_attention(args, moved, cfg, smoke, copy_tb_per_s) for cfg in decode_configs(group, smoke)]
     ref = reference.paged_attention(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in args])
     tri = paged_attention_triton(*args).float()
-    err = ((tri - ref).norm() / ref.norm()).item()
-    return {"batch": batch, "context": context, "Hq": num_heads, "Hk": num_kv_heads, "Dh": head_dim,
-            "page_tokens": page_tokens, "rel_err_vs_fp32_ref": err, "configs": rows}
+    report = {"batch": batch, "context": context, "Hq": args[0].shape[1], "Hk": args[1].shape[3],
+              "Dh": args[0].shape[2], "page_tokens": args[1].shape[2],
+              "default_config": default_config(*args[:3], batch),
+              "rel_err_vs_fp32_ref": ((tri - ref).norm() / ref.norm()).item(), "configs": rows, "shapes": []}
+    unsplit = {"BLOCK_Q": max(1, 16 // group), "BLOCK_N": 128, "num_warps": 8, "num_stages": 2, "NUM_SPLITS": 1}
+    for batch, context in ([(2, 40)] if smoke else [(1, 8192), (8, 4096), (16, 2048), (32, 1024), (64, 4096),
+                                                     (128, 1024), (256, 512)]):
+        args, moved = decode_inputs(batch, context, device, dtype, smoke)
+        report["shapes"].append({"batch": batch, "context": context, "default_config": default_config(*args[:3], batch),
+                                 "default": time_attention(args, moved, None, smoke, copy_tb_per_s),
+                                 "unsplit": time_attention(args, moved, unsplit, smoke, copy_tb_per_s)})
+    return report
+
+
+def bench_topk_sum(device, dtype, smoke, copy_tb_per_s=None):
+    """The whole op's top-k sum (torch, fp32 accumulation, bf16 out) over [T, K, D]: achieved bandwidth."""
+    rows = []
+    for name, shape in ({"tiny": {"K": 2, "D": 72}} if smoke else MODELS).items():
+        for num_tokens in (M_VALUES[:2] if smoke else (64, 1024, 4096)):
+            pairs = torch.randn(num_tokens * shape["K"], shape["D"], device=device, dtype=dtype)  # [T * K, D]
+            ms = time_ms(functools.partial(torch.sum, pairs.view(num_tokens, shape["K"], shape["D"]), 1), smoke)
+            moved = pairs.numel() * pairs.element_size() * (1 + 1 / shape["K"])  # read [T, K, D], write [T, D]
+            row = {"model": name, "M": num_tokens, "ms": ms, "bytes": moved, "tb_per_s": moved / ms / 1e9}
+            rows.append(row | ({"of_copy": row["tb_per_s"] / copy_tb_per_s} if copy_tb_per_s else {}))
+    return rows
 
 
 def copy_bandwidth():
@@ -180,8 +218,12 @@ def main():
 
         report |= {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                    "commit": os.environ.get("RIMURU_COMMIT", "unknown"), "copy_tb_per_s": copy_bandwidth()}
-    report["attention_decode"] = bench_attention(device, dtype, args.smoke)
-    print_attention(report["attention_decode"])
+    copy = report.get("copy_tb_per_s")
+    report["attention_decode"] = bench_attention(device, dtype, args.smoke, copy)
+    report["topk_sum"] = bench_topk_sum(device, dtype, args.smoke, copy)
+    with open(args.out, "w") as f:
+        json.dump(report, f, indent=1)
+    print_attention(report["attention_decode"], report["topk_sum"])
     report["moe"] = []
     models = {"tiny": {"E": 6, "F": 40, "D": 72, "K": 2}} if args.smoke else MODELS
     for name, shape in ([] if args.skip_moe else models.items()):
@@ -197,11 +239,26 @@ def main():
     print_moe(report["moe"])
 
 
-def print_attention(att):
-    print(f"attention decode B={att['batch']} ctx={att['context']} rel_err={att['rel_err_vs_fp32_ref']:.2e}")
+def attention_line(row):
+    share = f" ({100 * row['of_copy']:.0f}% of copy)" if "of_copy" in row else ""
+    return f"{row['ms'] * 1e3:.1f} us, {row['tb_per_s']:.2f} TB/s{share}" if "ms" in row else row["error"][:80]
+
+
+def print_attention(att, topk_sum):
+    print(f"attention decode B={att['batch']} ctx={att['context']} rel_err={att['rel_err_vs_fp32_ref']:.2e}"
+          f" default={att['default_config']}")
     for row in att["configs"]:
-        if "ms" in row:
-            print(f"  {row['config']}: {row['ms'] * 1e3:.1f} us, {row['tb_per_s']:.2f} TB/s")
+        print(f"  {row['config']}: {attention_line(row)}")
+    timed = [row for row in att["configs"] if "ms" in row]
+    for splits in sorted({row["config"]["NUM_SPLITS"] for row in timed if row["config"] != "default"}):
+        best = min((r for r in timed if r["config"] != "default" and r["config"]["NUM_SPLITS"] == splits),
+                   key=lambda r: r["ms"])
+        print(f"best with {splits} split(s): {best['config']}: {attention_line(best)}")
+    for shape in att["shapes"]:
+        print(f"B={shape['batch']} ctx={shape['context']} splits={shape['default_config']['NUM_SPLITS']}:"
+              f" default {attention_line(shape['default'])} | unsplit {attention_line(shape['unsplit'])}")
+    for row in topk_sum:
+        print(f"top-k sum {row['model']} M={row['M']}: {attention_line(row)}")
 
 
 def print_moe(rows):

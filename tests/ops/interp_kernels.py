@@ -5,6 +5,7 @@ decorated, so it must be set before `rimuru.ops` is first imported; a subprocess
 By hand: `TRITON_INTERPRET=1 python -m pytest tests/ops/interp_kernels.py`.
 """
 
+import importlib
 import os
 
 import pytest
@@ -60,6 +61,48 @@ def test_paged_attention_decode_only():
     ref = reference.paged_attention(*case.args())
     tri = paged_attention_triton(*case.args())  # the launcher's own decode config
     torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+RAGGED_DECODE = [(0, 1), (15, 1), (40, 1), (3, 1), (63, 1), (23, 1)]  # 1 to 64 tokens; 8-token pages
+
+
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
+@pytest.mark.parametrize("num_splits", [2, 3, 9])  # 9: more splits than any request has pages
+def test_split_kv_decode(num_heads, num_kv_heads, num_splits):
+    case = attention_case(RAGGED_DECODE, num_heads, num_kv_heads, 32, page_tokens=8, seed=num_splits)
+    ref = reference.paged_attention(*case.args())
+    cfg = {"BLOCK_Q": 16 // (num_heads // num_kv_heads), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
+           "NUM_SPLITS": num_splits}
+    tri = paged_attention_triton(*case.args(), config=cfg)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_split_kv_any_batch():
+    """The split kernel also computes prefill chunks and empty requests (the dispatcher never sends them)."""
+    case = attention_case(MIXED_BATCH, 8, 2, 24, page_tokens=4, seed=5)
+    ref = reference.paged_attention(*case.args())
+    cfg = {"BLOCK_Q": 4, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "NUM_SPLITS": 3}
+    tri = paged_attention_triton(*case.args(), config=cfg)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("requests,is_split", [
+    ([(300, 1), (7, 1), (100, 1)], True),  # decode-only, long enough to split
+    ([(300, 0), (20, 2), (7, 1)], True),  # T == B without being decode-only: split, still right
+    ([(300, 1), (7, 3), (100, 1)], False),  # mixed: the unsplit kernel
+    ([(30, 1), (7, 1)], False),  # decode-only but too short to split
+])
+def test_dispatch_between_kernels(monkeypatch, requests, is_split):
+    calls = []
+    module = importlib.import_module("rimuru.ops.paged_attention")  # `rimuru.ops.paged_attention` is the function
+    split = module.split_kv_attention_triton
+    monkeypatch.setattr(module, "split_kv_attention_triton",
+                        lambda *args: calls.append(args[-1]) or split(*args))
+    case = attention_case(requests, 8, 2, 16, page_tokens=16, seed=len(calls))
+    ref = reference.paged_attention(*case.args())
+    tri = paged_attention_triton(*case.args())
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+    assert [cfg["NUM_SPLITS"] for cfg in calls] == ([2] if is_split else [])
 
 
 def test_write_kv():

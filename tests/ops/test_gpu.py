@@ -53,6 +53,24 @@ def test_paged_attention_bf16(num_heads, num_kv_heads, head_dim, batch):
     assert rel_err(tri, ref) < 1e-2
 
 
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 4), (8, 8)])
+@pytest.mark.parametrize("num_splits", [None, 2, 5, 64])  # None: the dispatcher's choice (16 here)
+def test_split_kv_decode_bf16(num_heads, num_kv_heads, num_splits):
+    from rimuru.ops.paged_attention import attention_config, default_config, paged_attention_triton
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    requests = [(n, 1) for n in (0, 15, 16, 200, 1023, 77, 4000)]
+    case = attention_case(requests, num_heads, num_kv_heads, 128, 16, torch.bfloat16, "cuda", seed)
+    ref = reference.paged_attention(*as_fp32(case.args()))
+    group = num_heads // num_kv_heads
+    cfg = attention_config(len(requests), len(requests), group, num_splits) if num_splits else None
+    if num_splits is None:
+        assert default_config(case.query, case.kv_view, case.page_table, len(requests))["NUM_SPLITS"] > 1
+    poison_allocator()  # the split partials come from the allocator too: an unwritten one would read NaN
+    tri = paged_attention_triton(*case.args(), config=cfg)
+    assert rel_err(tri, ref) < 1e-2
+
+
 def test_write_kv_bf16_exact():
     case = attention_case([(0, 0)], 4, 4, 128, 16, torch.bfloat16, "cuda", spare_pages=8)
     key, value = torch.randn(2, 40, 4, 128, device="cuda", dtype=torch.bfloat16).unbind(0)

@@ -78,3 +78,16 @@ def test_h200_table_covers_both_models_and_lookup_picks_the_bucket_below():
         assert lookup(table[shape], 1) == table[shape]["1"]
         for cfg in table[shape].values():
             assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= cfg.keys()
+
+
+@pytest.mark.parametrize("num_requests,num_kv_heads,max_kv_tokens,num_splits", [
+    (64, 4, 1024, 4),  # the H200 decode benchmark: 256 programs -> 1024
+    (8, 4, 4096, 16),
+    (256, 4, 1024, 1),  # enough programs already: the unsplit kernel
+    (64, 4, 200, 1),  # short contexts are not split
+    (1, 1, 1 << 20, 64),  # capped
+])
+def test_decode_splits_fill_an_h200_from_shapes(num_requests, num_kv_heads, max_kv_tokens, num_splits):
+    from rimuru.ops.split_kv_attention import decode_splits
+
+    assert decode_splits(num_requests, num_kv_heads, max_kv_tokens, sms=132) == num_splits
