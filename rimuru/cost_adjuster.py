@@ -61,13 +61,16 @@ def plan_cost_adjustment(short_pages: int, free_pages: int, affordable: int, for
 
 class CostAdjuster:
     def __init__(self, popularity: ExpertPopularity, offload_limit: int, store, top_k: int,
-                 thresholds: CostThresholds = CostThresholds(), cost: CostModel | None = None):  # fmt: skip
+                 thresholds: CostThresholds = CostThresholds(), cost: CostModel | None = None,
+                 refresh_every: int = 8):  # fmt: skip
         self.popularity, self.offload_limit, self.store, self.top_k = popularity, offload_limit, store, top_k
         self.ranking = popularity  # what `Adjuster` users read
         self.thresholds, self.cost = thresholds, cost or CostModel()
         self.nominator = Adjuster(popularity, offload_limit)
         self.expert_bytes = sum(m.numel() * m.element_size() for m in store.host[store.layer_ids[0]].matrices(0))
         self.round = 0
+        self.refresh_every = refresh_every  # rounds between popularity flushes and estimate refreshes (host work)
+        self._unflushed = 0  # steps counted on the device since the last flush
         self.evicted_at: dict[tuple[int, int], int] = {}  # (layer, expert) -> round of its last eviction
         self.free_rounds = 0  # rounds in a row not short and above `grow_above_free`
         self.first_waiting: dict[str, float] = {}  # request id -> when first seen waiting
@@ -109,6 +112,7 @@ class CostAdjuster:
             self.free_rounds = 0  # NOTE: the next growth waits for the pages to stay free again
         for key in changes.evict:
             self.evicted_at[key] = self.round
+        self._affordable = max(0, self._affordable - len(changes.evict))  # NOTE: stays true until the next refresh
         return changes
 
     def _cooling(self, layer: int, expert: int) -> bool:
@@ -118,7 +122,8 @@ class CostAdjuster:
     # ---- after the forward pass --------------------------------------------------------------------------------
 
     def observe(self, step_seconds: float, num_tokens: int, waiting: Sequence = ()) -> None:
-        """Feed one step's measurements (wall time, tokens, the waiting queue), then refresh the estimates."""
+        """Feed one step's measurements (wall time, tokens, the waiting queue); every `refresh_every` rounds, pull
+        the routing counts and refresh the estimates."""
         if num_tokens > 0:
             self.cost.observe_step(step_seconds, num_tokens)
         num_bytes, seconds = self.store.copier.take_timings()
@@ -126,8 +131,11 @@ class CostAdjuster:
         previous, weight = self.measured_copy_s, self.cost.weight
         self.measured_copy_s = seconds if previous is None else (1 - weight) * previous + weight * seconds
         self._observe_waiting(waiting)
-        self.popularity.flush()
-        self.refresh()
+        self._unflushed += 1
+        if self._unflushed >= self.refresh_every or not self.estimates.get("cost_measured"):
+            self.popularity.flush(self._unflushed)
+            self._unflushed = 0
+            self.refresh()
 
     def _observe_waiting(self, waiting: Sequence) -> None:
         now = time.monotonic()

@@ -4,9 +4,10 @@ Counts decay exponentially (`half_life_steps`) so the order follows a shifting w
 ranking (`rimuru profile`) weighted as `prior_routings` routings a layer, so the first steps are not blind. It reads
 like an `ExpertRanking` (`share`, `hottest_first`), so the adjusters order evictions and growth by it.
 
-Counting never adds a host sync: `record` adds a `torch.bincount` of the layer's top-k ids into a device tensor
-(kernels queued behind the router), and `flush` pulls the whole [L, E] tensor to the host once per step, after the
-forward pass has synchronised anyway (the sampler reads the tokens). It does not own the routing hook: the expert
+Counting never adds a host sync: `record` scatter-adds the layer's top-k ids into a fixed-size device tensor
+(kernels queued behind the router; not `torch.bincount`, which reads the largest id back to size its output), and
+`flush` pulls the whole [L, E] tensor to the host every few steps, after a forward pass has synchronised anyway
+(the sampler reads the tokens). It does not own the routing hook: the expert
 manager calls `record`.
 """
 
@@ -21,7 +22,7 @@ class ExpertPopularity:
         self.layer_ids = sorted(ranking.shares)
         self.num_experts = num_experts
         self.row = {layer: i for i, layer in enumerate(self.layer_ids)}
-        self.decay = 0.5 ** (1.0 / half_life_steps)  # per flush
+        self.decay = 0.5 ** (1.0 / half_life_steps)  # per step
         prior = torch.tensor([ranking.shares[layer] for layer in self.layer_ids], dtype=torch.float64)  # [L, E]
         self.counts = prior * prior_routings  # [L, E] decayed routings, on the host
         self.pending = torch.zeros(len(self.layer_ids), num_experts, dtype=torch.int64, device=device)  # [L, E]
@@ -29,11 +30,13 @@ class ExpertPopularity:
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count one layer's routing ([T, K] expert ids) on the device. No host sync."""
-        self.pending[self.row[layer]] += torch.bincount(topk_ids.flatten(), minlength=self.num_experts)
+        ids = topk_ids.flatten()  # [T K]
+        self.pending[self.row[layer]].index_add_(0, ids, torch.ones_like(ids, dtype=self.pending.dtype))
 
-    def flush(self) -> None:
-        """Decay the counts and add what was recorded since the last flush (one device -> host copy)."""
-        self.counts = self.counts * self.decay + self.pending.cpu().double()
+    def flush(self, num_steps: int = 1) -> None:
+        """Decay the counts by `num_steps` steps and add what was recorded since the last flush (one device -> host
+        copy)."""
+        self.counts = self.counts * self.decay**num_steps + self.pending.cpu().double()
         self.pending.zero_()
         self._probs = {}
 

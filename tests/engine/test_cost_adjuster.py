@@ -127,7 +127,7 @@ def test_cost_adjuster_changes_speed_never_tokens(family):
     cheap, tokens = cost_run(folder, prompts, bandwidth=1e15, gpu_memory_budget=budget, expert_offload_limit=3)
     stats = cheap.expert_stats
     assert stats["evictions"] > 0 and stats["additions"] > 0 and stats["cost_measured"] == 1
-    assert stats["cost_affordable_evictions"] > 0 and "cost_predicted_copy_ms" in stats
+    assert {"cost_predicted_copy_ms", "cost_measured_copy_ms", "cost_touch_p_mean"} <= stats.keys()
     assert tokens == expected
     dear, tokens = cost_run(folder, prompts, bandwidth=1.0, gpu_memory_budget=budget, expert_offload_limit=3)
     assert dear.expert_stats["cost_affordable_evictions"] == 0

@@ -1,6 +1,8 @@
 """Elastic expert offloading: the paper's rule, nomination by ranking, ordering, and the invariant that memory
 policy and budget change speed, never tokens."""
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -97,10 +99,15 @@ class DeferredCopier(ExpertCopier):
             self.pending_pages.difference_update(page_ids)
 
 
-def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family):
+@pytest.mark.parametrize("adjuster", ["paper", "cost"])
+def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adjuster):
     folder, prompts, expected = family
-    llm = LLM(folder, progress=False, gpu_memory_budget=budget_for(folder, 60, 3), expert_offload_limit=3)
+    llm = LLM(folder, progress=False, gpu_memory_budget=budget_for(folder, 60, 3), expert_offload_limit=3,
+              adjuster=adjuster)  # fmt: skip
     engine = llm.engine
+    if adjuster == "cost":  # copies free, growth quick: the cost rule evicts and adds like the paper's
+        engine.adjuster.cost.pin(bandwidth=1e15, compute_s=1.0)
+        engine.adjuster.thresholds = replace(engine.adjuster.thresholds, grow_after_rounds=2, readd_after_rounds=4)
     store, manager, allocator = engine.experts, engine.expert_manager, engine.allocator
     copier = store.copier = manager.copier = DeferredCopier(store.expert_view)
     publish, on_routing = store.publish, manager.on_routing
