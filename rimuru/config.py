@@ -39,7 +39,7 @@ class EngineConfig:
     page_tokens: int = DEFAULT_PAGE_TOKENS
     tokenizer: str | None = None  # None: the checkpoint folder
     expert_policy: str = "elastic"  # "resident" | "fixed" | "elastic" (DESIGN.md section 3)
-    expert_offload_limit: int | None = None  # most experts one layer may offload (elastic); None: a quarter of them
+    expert_offload_limit: int | None = None  # elastic cap per layer, also sizing the loading buffers; None: a quarter
     adjuster: str = "paper"  # elastic: "paper" (DESIGN.md section 4) | "cost" (rimuru.cost_adjuster)
     copy_compute_ratio: float = 1.0  # cost: evict while predicted copy time per step <= this x compute time
     ttft_slo: float | None = None  # cost: seconds the oldest waiting request may wait before evicting despite cost
