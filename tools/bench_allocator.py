@@ -17,7 +17,7 @@ import time
 
 import torch
 
-from rimuru.memory import EXPERT, PageAllocator, page_sizes
+from rimuru.memory import PageAllocator, page_sizes
 
 LAYERS, PAGE_TOKENS, RUNNING = 24, 16, 90
 SIZES = page_sizes((1408 * 2048,), (2, PAGE_TOKENS, 16, 128), torch.bfloat16)  # Qwen1.5-MoE-A2.7B

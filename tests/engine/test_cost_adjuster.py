@@ -109,16 +109,11 @@ def test_online_popularity_follows_a_shifted_distribution():
 
 def cost_run(folder, prompts, bandwidth, **options):
     """`run` with the cost adjuster, copies pinned at `bandwidth` bytes/s and a second of compute a step."""
-    from rimuru import LLM
-    from tests.engine.test_experts import GREEDY
+    def pin(engine):
+        engine.adjuster.cost.pin(bandwidth=bandwidth, compute_s=1.0)
+        engine.adjuster.thresholds = replace(engine.adjuster.thresholds, grow_after_rounds=2, readd_after_rounds=4)
 
-    llm = LLM(folder, progress=False, adjuster="cost", **options)
-    adjuster = llm.engine.adjuster
-    adjuster.cost.pin(bandwidth=bandwidth, compute_s=1.0)
-    adjuster.thresholds = replace(adjuster.thresholds, grow_after_rounds=2, readd_after_rounds=4)
-    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
-    llm.engine.allocator.check_integrity()
-    return llm.engine, tokens
+    return run(folder, prompts, prepare=pin, adjuster="cost", **options)
 
 
 def test_cost_adjuster_changes_speed_never_tokens(family):

@@ -10,7 +10,7 @@ from rimuru import LLM, SamplingParams
 from rimuru.adjuster import Adjuster, plan_adjustment
 from rimuru.expert_copier import ExpertCopier
 from rimuru.expert_ranking import ExpertRanking
-from rimuru.memory import EXPERT, KV
+from rimuru.memory import EXPERT
 from tests.engine.conftest import MAX_TOKENS
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -44,8 +44,11 @@ def budget_for(folder: str, kv_tokens: int, offload: int) -> int:
     return plan.weights_bytes + plan.activation_bytes + pages * sizes.expert_page_bytes
 
 
-def run(folder, prompts, **options):
+def run(folder, prompts, prepare=None, **options):
+    """Greedy tokens of `prompts` under engine `options`; `prepare(engine)` runs before generating."""
     llm = LLM(folder, progress=False, **options)
+    if prepare is not None:
+        prepare(llm.engine)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     llm.engine.allocator.check_integrity()
     return llm.engine, tokens

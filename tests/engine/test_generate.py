@@ -4,8 +4,6 @@ Memory policy and budget change speed, never tokens: chunked prefill, a pool sma
 a roomy pool all give Hugging Face's tokens.
 """
 
-import pytest
-
 from rimuru import LLM, SamplingParams
 from tests.engine.conftest import MAX_TOKENS
 
