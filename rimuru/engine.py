@@ -6,6 +6,7 @@ per-request bookkeeping around it (tokenising, stop conditions). Front ends (`LL
 """
 
 import json
+from dataclasses import replace
 import logging
 import os
 import time
@@ -39,6 +40,7 @@ class Engine:
     def __init__(self, config: EngineConfig):
         folder = resolve_folder(config.model)
         model_config = ModelConfig.from_hf(folder)
+        requested_max_model_len = config.max_model_len
         self.config = config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
         self.device = torch.device(config.device)
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
@@ -48,9 +50,8 @@ class Engine:
         self._place_experts(folder)
         self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
                                        config.max_num_seqs, config.max_model_len)  # fmt: skip
-        reclaimable_kv = self._reclaimable_expert_pages(stalled=True) * self.allocator.children[KV]
-        # the longest sequence the pool could hold alone, once the adjuster evicted all it may
-        self.max_request_tokens = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV) + reclaimable_kv)
+        self._fit_max_model_len(requested_max_model_len)
+        config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager)
@@ -60,6 +61,23 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.peak_running = 0  # most requests running at once so far
+
+    def _fit_max_model_len(self, requested: int | None) -> None:
+        """Make sure one sequence of max_model_len tokens fits the pool (once the adjuster evicted all it may), so a
+        budget can never cut an output short: lower an implicit max_model_len with a warning; refuse an explicit one.
+        """
+        reclaimable_kv = self._reclaimable_expert_pages(stalled=True) * self.allocator.children[KV]
+        capacity = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV) + reclaimable_kv)
+        if capacity >= self.config.max_model_len:
+            return
+        if requested is not None or capacity < 1:
+            raise ValueError(
+                f"max_model_len {self.config.max_model_len} needs KV cache for {self.config.max_model_len} tokens in "
+                f"every layer but the pool holds {capacity}; raise gpu_memory_budget or lower max_model_len"
+            )
+        logger.warning("the KV pool holds %d tokens a sequence: max_model_len lowered from %d",
+                       capacity, self.config.max_model_len)  # fmt: skip
+        self.config = replace(self.config, max_model_len=capacity)
 
     def _build_pool(self) -> None:
         cfg, mc = self.config, self.loaded.config
@@ -146,10 +164,7 @@ class Engine:
         context = self.config.max_model_len
         if prompt_len >= context:
             raise ValueError(f"the prompt has {prompt_len} tokens but the model's context is {context} tokens")
-        capacity = self.max_request_tokens
-        if prompt_len >= capacity:
-            raise ValueError(f"the prompt has {prompt_len} tokens but the KV pool holds only {capacity} tokens")
-        return min(params.max_tokens or context, context - prompt_len, capacity - prompt_len)
+        return min(params.max_tokens or context, context - prompt_len)
 
     def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
         if params.seed is None:

@@ -150,3 +150,12 @@ def test_resident_refuses_a_budget_that_cannot_hold_the_experts(family):
     folder = family[0]
     with pytest.raises(ValueError, match=r"resident experts need \d+ pages .* GiB short"):
         LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget_for(folder, 0, 0) - 10 * 8192)
+
+
+def test_a_pool_too_small_for_max_model_len_lowers_it_or_refuses(family, caplog):
+    folder = family[0]
+    budget = budget_for(folder, kv_tokens=48, offload=0)
+    with pytest.raises(ValueError, match=r"max_model_len 256 needs KV cache for 256 tokens .* pool holds 48"):
+        LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget, max_model_len=256)
+    engine = LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget).engine
+    assert engine.config.max_model_len == 48 and "max_model_len lowered from 512" in caplog.text
