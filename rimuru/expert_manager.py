@@ -124,8 +124,9 @@ class ExpertManager:
             self._publish(*key)
         row = self.working_tables[layer]  # [E, 3]
         row.copy_(self.store.page_tables[layer])
-        routed = set(torch.unique(topk_ids).tolist())  # waits for the router: the one host sync a layer
-        self._load_routed(layer, routed & self.store.offloaded[layer], row)
+        if self.store.offloaded[layer]:  # a layer with every expert resident needs no host sync
+            routed = set(torch.unique(topk_ids).tolist())  # waits for the router
+            self._load_routed(layer, routed & self.store.offloaded[layer], row)
         if self.predict and layer in self.next_layer:
             self._prefetch(self.next_layer[layer], hidden)
         self.stats.hook_seconds += time.perf_counter() - start
