@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU measurements still owed, as named jobs for one device call each (run from the repository root, with
+# `.bench` carried: MODEL's config.json and the JSONL streams; `.whl` carried for `serve`). Results under $OUT.
+#   bash tools/device_session.sh profile serve          # jobs run in the order given
+#   MODEL=.bench/qwen1.5-moe-a2.7b STREAM=.bench/stream-200-r0.jsonl bash tools/device_session.sh scenario
+# Prepare .bench on the developer machine first (it is git-ignored):
+#   mkdir -p .bench/qwen1.5-moe-a2.7b && cp ../shared/models/qwen1.5-moe-a2.7b/config.json .bench/qwen1.5-moe-a2.7b/
+#   python3 ../shared/workloads/sharegpt_synth.py --num 200 --rate 0 --seed 0 > .bench/stream-200-r0.jsonl
+#   python3 ../shared/workloads/sharegpt_synth.py --num 100 --rate 10 --seed 0 > .bench/stream-100-r10.jsonl
+# Jobs:
+#   kernels   GPU op tests and the split-KV decode attention sweep (docs/benchmarks/kernels.md, "Next run")
+#   profile   where a decode step of 200 requests spends its time (tools/profile_step.py)
+#   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
+#   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE
+set -u
+OUT=${OUT:-/tmp/out} MODEL=${MODEL:-.bench/qwen1.5-moe-a2.7b} STREAM=${STREAM:-.bench/stream-200-r0.jsonl}
+RATE=${RATE:-0} BUDGET=${BUDGET:-30GiB} SERVE_STREAM=${SERVE_STREAM:-.bench/stream-100-r10.jsonl}
+mkdir -p "$OUT"
+source tools/device_env.sh
+export RIMURU_COMMIT=${RIMURU_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+DUMMY=()
+[ -f "$MODEL/model.safetensors" ] || [ -f "$MODEL/model.safetensors.index.json" ] || DUMMY=(--load-format dummy)
+
+kernels() {
+  python -m pytest -q -p no:cacheprovider -m gpu tests/ops 2>&1 | tail -15
+  python tools/bench_kernels.py --skip-moe --out "$OUT/kernels_decode.json" > "$OUT/kernels_decode.txt" 2>&1
+  tail -40 "$OUT/kernels_decode.txt"
+}
+
+profile() {
+  python tools/profile_step.py "$MODEL" "${DUMMY[@]}" --stream "$STREAM" --num-requests 200 --steps 20 \
+    --expert-policy resident --trace "$OUT/step_trace.json" > "$OUT/profile_step.txt" 2>&1
+  head -40 "$OUT/profile_step.txt"
+}
+
+serve() {
+  if [ -d .whl ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+    export PYTHONPATH=$PYTHONPATH:/tmp/site
+  fi
+  python tools/cli.py serve "$MODEL" "${DUMMY[@]}" --port 8000 > "$OUT/server.log" 2>&1 &
+  local server=$!
+  for _ in $(seq 180); do curl -sf localhost:8000/health > /dev/null && break; sleep 1; done
+  timeout 300 python tools/bench_serve.py --stream "$SERVE_STREAM" --out "$OUT/serving-h200.json" 2>&1 | tail -12
+  kill -TERM $server; wait $server
+}
+
+scenario() {
+  local common=(--stream "$STREAM" --rate "$RATE" --gpu-memory-budget "$BUDGET" --router-skew 1.0
+                --max-num-batched-tokens 2048 --quiet "${DUMMY[@]}")
+  [ -f "$MODEL/expert_ranking.json" ] || python tools/cli.py profile "$MODEL" "${DUMMY[@]}" --router-skew 1.0 \
+    --workload "$STREAM" --num-prompts 64 --max-tokens 8 --expert-policy resident > "$OUT/profile.log" 2>&1
+  for run in "resident --expert-policy resident" "fixed8 --expert-policy fixed --offload-per-layer 8" \
+             "elastic8 --expert-policy elastic --expert-offload-limit 8" \
+             "cost8 --expert-policy elastic --expert-offload-limit 8 --adjuster cost"; do
+    set -- $run
+    local name=$1; shift
+    timeout 280 python tools/cli.py bench "$MODEL" "${common[@]}" "$@" --out "$OUT/$name-r$RATE.json" \
+      > "$OUT/$name-r$RATE.log" 2>&1
+    echo "$name rc=$? $(grep -m1 -h output_tokens_per_s "$OUT/$name-r$RATE.log")"
+  done
+}
+
+for job in "$@"; do echo "== $job"; "$job"; done
