@@ -23,6 +23,7 @@ import triton
 import triton.language as tl
 
 from rimuru.ops import reference
+from rimuru.ops.attention_tiles import attend_pages
 from rimuru.ops.split_kv_attention import LOG2_E, decode_splits, num_sms, split_kv_attention_triton
 
 
@@ -68,29 +69,12 @@ def _paged_attention_kernel(
     b_q = tl.load(p_q, mask=m_m[:, None] & m_d[None, :], other=0.0)  # [BM, Dh]
     q_pos = context + o_q  # [BM]
 
-    b_max = tl.full((BLOCK_Q * GROUP_PAD,), float("-inf"), dtype=tl.float32)
-    b_sum = tl.zeros((BLOCK_Q * GROUP_PAD,), dtype=tl.float32)
-    b_acc = tl.zeros((BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD), dtype=tl.float32)
     kv_end = tl.minimum(seq_len, context + q_first + BLOCK_Q)  # causal: no later token is needed
     p_kv_head = p_kv + i_kh * stride_kv_head + o_d[None, :] * stride_kv_dim
-    for n_start in range(0, kv_end, BLOCK_N):
-        o_n = n_start + tl.arange(0, BLOCK_N)
-        m_n = o_n < kv_end
-        b_page = tl.load(p_page_table + i_b * stride_table + o_n // PAGE_TOKENS, mask=m_n, other=0).to(tl.int64)
-        o_kv = b_page[:, None] * stride_kv_page + (o_n % PAGE_TOKENS)[:, None] * stride_kv_token  # [BN, 1]
-        m_kv = m_n[:, None] & m_d[None, :]
-        b_k = tl.load(p_kv_head + o_kv, mask=m_kv, other=0.0)  # [BN, Dh]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2  # [BM, BN], log2 units
-        m_s = m_n[None, :] & (o_n[None, :] <= q_pos[:, None])
-        b_s = tl.where(m_s, b_s, float("-inf"))
-        # NOTE: token 0 is visible to every row, so the first tile leaves no row at -inf (no NaN below).
-        b_new_max = tl.maximum(b_max, tl.max(b_s, 1))
-        b_p = tl.exp2(b_s - b_new_max[:, None])
-        b_alpha = tl.exp2(b_max - b_new_max)
-        b_v = tl.load(p_kv_head + o_kv + stride_kv_kind, mask=m_kv, other=0.0)  # [BN, Dh]
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-        b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
-        b_max = b_new_max
+    b_max, b_sum, b_acc = attend_pages(
+        b_q, q_pos, 0, kv_end, p_page_table + i_b * stride_table, p_kv_head, m_d, scale_log2,
+        stride_kv_page, stride_kv_token, stride_kv_kind, BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD, PAGE_TOKENS, BLOCK_N,
+    )
     b_out = b_acc / b_sum[:, None]
     p_o = p_out + (q_start + o_q)[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
     tl.store(p_o, b_out.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])

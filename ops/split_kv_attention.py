@@ -31,6 +31,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.ops.attention_tiles import attend_pages
+
 LOG2_E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # programs wanted per streaming multiprocessor (guess; the H200 sweep will set it)
 MIN_SPLIT_TOKENS = 256  # no more splits than this many tokens of the longest possible context each
@@ -68,27 +70,10 @@ def _split_kv_kernel(
         q_pos = context + o_q  # [BM]
         n_hi = tl.minimum(tl.minimum(seq_len, context + q_first + BLOCK_Q), n_lo + chunk)  # causal and split end
 
-        b_max = tl.full((BLOCK_Q * GROUP_PAD,), float("-inf"), dtype=tl.float32)
-        b_sum = tl.zeros((BLOCK_Q * GROUP_PAD,), dtype=tl.float32)
-        b_acc = tl.zeros((BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD), dtype=tl.float32)
-        for n_start in range(n_lo, n_hi, BLOCK_N):
-            o_n = n_start + tl.arange(0, BLOCK_N)
-            m_n = o_n < n_hi
-            b_page = tl.load(p_page_table + i_b * stride_table + o_n // PAGE_TOKENS, mask=m_n, other=0).to(tl.int64)
-            o_kv = b_page[:, None] * stride_kv_page + (o_n % PAGE_TOKENS)[:, None] * stride_kv_token  # [BN, 1]
-            m_kv = m_n[:, None] & m_d[None, :]
-            b_k = tl.load(p_kv_head + o_kv, mask=m_kv, other=0.0)  # [BN, Dh]
-            b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2  # [BM, BN], log2 units
-            b_s = tl.where(m_n[None, :] & (o_n[None, :] <= q_pos[:, None]), b_s, float("-inf"))
-            b_new_max = tl.maximum(b_max, tl.max(b_s, 1))
-            # NOTE: a prefill row may see no token of this split yet; shifting by 0 keeps its -inf - -inf from NaN.
-            b_shift = tl.where(b_new_max == float("-inf"), 0.0, b_new_max)
-            b_p = tl.exp2(b_s - b_shift[:, None])
-            b_alpha = tl.exp2(b_max - b_shift)
-            b_v = tl.load(p_kv_head + o_kv + stride_kv_kind, mask=m_kv, other=0.0)  # [BN, Dh]
-            b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
-            b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
-            b_max = b_new_max
+        b_max, b_sum, b_acc = attend_pages(
+            b_q, q_pos, n_lo, n_hi, p_page_table + i_b * stride_table, p_kv_head, m_d, scale_log2,
+            stride_kv_page, stride_kv_token, stride_kv_kind, BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD, PAGE_TOKENS, BLOCK_N,
+        )
 
         o_row = ((q_start + o_q) * num_heads + o_h) * num_splits + i_s  # [BM] partial index
         tl.store(p_part_max + o_row, b_max, mask=m_m)

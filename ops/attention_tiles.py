@@ -1,0 +1,41 @@
+"""The online-softmax loop over paged K/V tiles that both attention kernels run (`paged_attention`, split-KV).
+
+One call walks tokens [n_lo, n_hi) of one request and one KV head in BLOCK_N tiles, reading each token's page from
+the request's page table row, and returns the running (max, sum, acc) in log2 units for the ROWS query rows:
+
+    K/V token n  ->  p_kv_head + page_table_row[n // PAGE_TOKENS] * stride_kv_page + (n % PAGE_TOKENS) * stride_kv_token
+                     (+ stride_kv_kind for V)
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def attend_pages(
+    b_q, q_pos, n_lo, n_hi, p_table_row, p_kv_head, m_d, scale_log2,
+    stride_kv_page, stride_kv_token, stride_kv_kind,
+    ROWS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    b_max = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
+    b_sum = tl.zeros((ROWS,), dtype=tl.float32)
+    b_acc = tl.zeros((ROWS, HEAD_DIM_PAD), dtype=tl.float32)
+    for n_start in range(n_lo, n_hi, BLOCK_N):
+        o_n = n_start + tl.arange(0, BLOCK_N)
+        m_n = o_n < n_hi
+        b_page = tl.load(p_table_row + o_n // PAGE_TOKENS, mask=m_n, other=0).to(tl.int64)
+        o_kv = b_page[:, None] * stride_kv_page + (o_n % PAGE_TOKENS)[:, None] * stride_kv_token  # [BN, 1]
+        m_kv = m_n[:, None] & m_d[None, :]
+        b_k = tl.load(p_kv_head + o_kv, mask=m_kv, other=0.0)  # [BN, Dh]
+        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2  # [ROWS, BN], log2 units
+        b_s = tl.where(m_n[None, :] & (o_n[None, :] <= q_pos[:, None]), b_s, float("-inf"))
+        b_new_max = tl.maximum(b_max, tl.max(b_s, 1))
+        # NOTE: a row may see no token of this tile range yet; shifting by 0 keeps its -inf - -inf from NaN.
+        b_shift = tl.where(b_new_max == float("-inf"), 0.0, b_new_max)
+        b_p = tl.exp2(b_s - b_shift[:, None])
+        b_alpha = tl.exp2(b_max - b_shift)
+        b_v = tl.load(p_kv_head + o_kv + stride_kv_kind, mask=m_kv, other=0.0)  # [BN, Dh]
+        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
+        b_max = b_new_max
+    return b_max, b_sum, b_acc
