@@ -149,16 +149,20 @@ class Engine:
         """Queue a prompt; returns its `params.n` sequences. ValueError for a prompt that cannot be served."""
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
-        token_ids = self.tokenize(prompt)
-        max_tokens = self._max_tokens(len(token_ids), params)
-        if params.stop and self.tokenizer is None:
-            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        token_ids, max_tokens = self.validate(prompt, params)
         ids = [request_id] if params.n == 1 else [f"{request_id}-{i}" for i in range(params.n)]
         sequences = [Request(sid, token_ids, params, max_tokens, self._generator(params, i)) for i, sid in enumerate(ids)]
         for sequence in sequences:
             self.requests[sequence.request_id] = sequence
             self.scheduler.add(sequence)
         return sequences
+
+    def validate(self, prompt: str | list[int], params: SamplingParams) -> tuple[list[int], int]:
+        """(prompt token ids, output tokens allowed) or ValueError saying why the prompt cannot be served. Pure."""
+        token_ids = self.tokenize(prompt)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need a tokenizer; this model has none (use stop_token_ids)")
+        return token_ids, self._max_tokens(len(token_ids), params)
 
     def _max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         context = self.config.max_model_len

@@ -32,7 +32,7 @@ class LLM:
         if len(params) != len(prompts):
             raise ValueError(f"got {len(params)} sampling_params for {len(prompts)} prompts")
         for prompt, p in zip(prompts, params):
-            self.engine._max_tokens(len(self.engine.tokenize(prompt)), p)  # validate all first: nothing half-queued
+            self.engine.validate(prompt, p)  # all first: a bad prompt leaves nothing half-queued
         groups = [self._add(prompt, p) for prompt, p in zip(prompts, params)]
         self._run(sum(len(g[1]) for g in groups), use_tqdm)
         return [self._output(prompt, request_id, sequences) for prompt, (request_id, sequences) in zip(prompts, groups)]

@@ -92,3 +92,10 @@ def test_a_vanishing_temperature_is_greedy(llm, family):
     prompts, expected = family[1], family[2]
     params = SamplingParams(temperature=1e-300, max_tokens=12, ignore_eos=True)
     assert tokens(llm, prompts[:3], params) == expected[:3]
+
+
+def test_a_bad_prompt_in_a_batch_queues_nothing(llm, family):
+    prompts = family[1]
+    with pytest.raises(ValueError, match="context is"):
+        llm.generate([prompts[0], [5] * (llm.engine.config.max_model_len + 1)], use_tqdm=False)
+    assert not llm.engine.has_unfinished()
