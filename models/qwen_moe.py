@@ -3,7 +3,9 @@
 Parameter names match Hugging Face checkpoint keys, except the routed experts: they are not parameters here. They
 live in pool pages owned by the expert store, and a MoE layer reaches them only through
 `ctx.expert_view` and `ctx.expert_page_tables[layer_idx]` (DESIGN.md section 3). The two families differ in two
-switches: qwen2_moe has a gated shared expert, qwen3_moe a per-head q/k RMSNorm.
+switches: qwen2_moe has a gated shared expert, qwen3_moe a per-head q/k RMSNorm. The forward pass is written as
+generators (`steps`) that pause at each MoE layer's routing (`rimuru.models.pieces`), so a runner can act between
+the router and the expert kernel, eagerly or between CUDA graph replays.
 Shape letters: T tokens, B' tokens whose logits are wanted, D hidden, E experts, K top-k, V vocabulary.
 """
 
@@ -14,6 +16,7 @@ from rimuru import ops
 from rimuru.models.config import ModelConfig
 from rimuru.models.context import ForwardContext
 from rimuru.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from rimuru.models.pieces import Pieces, RoutingPoint, run_pieces
 
 
 class SparseMoeBlock(nn.Module):
@@ -38,10 +41,9 @@ class SparseMoeBlock(nn.Module):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         return ids, weights
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, D]
+    def steps(self, x: torch.Tensor, ctx: ForwardContext) -> Pieces:  # x [T, D] -> [T, D]
         topk_ids, topk_weights = self.route(x)  # [T, K]
-        if ctx.on_routing is not None:
-            ctx.on_routing(self.layer_idx, x, topk_ids)
+        yield RoutingPoint(self.layer_idx, x, topk_ids)
         page_table = ctx.expert_page_tables[self.layer_idx]  # [E, 3]
         out = ops.paged_moe(x, ctx.expert_view, page_table, topk_ids, topk_weights, self.num_features)  # [T, D]
         if self.shared_expert is not None:
@@ -59,10 +61,10 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+    def steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> Pieces:
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)  # [T, D]
         h = self.post_attention_layernorm(x)
-        return x + (self.mlp(h, ctx) if self.is_moe else self.mlp(h))  # [T, D]
+        return x + ((yield from self.mlp.steps(h, ctx)) if self.is_moe else self.mlp(h))  # [T, D]
 
 
 class QwenMoeModel(nn.Module):
@@ -75,11 +77,11 @@ class QwenMoeModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T]
+    def steps(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Pieces:  # input_ids [T] -> [T, D]
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary_emb(ctx.positions, x.dtype)  # [T, Dh]
         for layer in self.layers:
-            x = layer(x, cos, sin, ctx)
+            x = yield from layer.steps(x, cos, sin, ctx)
         return x
 
 
@@ -113,8 +115,12 @@ class QwenMoeForCausalLM(nn.Module):
             shapes.pop("lm_head.weight")
         return shapes
 
-    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T]
-        x = self.model(input_ids, ctx)  # [T, D]
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T] -> [B', V]
+        return run_pieces(self.steps(input_ids, ctx), ctx.on_routing)
+
+    def steps(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Pieces:  # input_ids [T] -> [B', V]
+        """The forward pass cut at each MoE layer's routing: yields a `RoutingPoint` there, returns the logits."""
+        x = yield from self.model.steps(input_ids, ctx)  # [T, D]
         x = self.model.norm(x[ctx.logits_indices])  # [B', D]
         return self.lm_head(x)  # [B', V]
 

@@ -11,6 +11,8 @@ Addresses inside the expert view (row stride `stride_page` >= F * D, so padded p
     gate/up element (n, k)  ->  base + page(e, 0 or 1) * stride_page + n * D + k      n < F, k < D
     down    element (n, t)  ->  base + page(e, 2)      * stride_page + n * F + t      n < D, t < F
 
+An expert whose pages are -1 (on the host) contributes zero rows and is never read.
+
 Performance (H200, bf16, docs/benchmarks/kernels.md): both GEMMs over Qwen3-30B-A3B experts take 36 us at one token
 (51% of the memory roofline), 285 us at 64 tokens (99%), 788 us at 4096 (51% of the arithmetic roofline); the paged
 table costs at most 1 us over an identity table up to 1024 tokens.
@@ -43,6 +45,8 @@ def _gate_up_kernel(
     p_a = p_hidden + (b_pair // top_k)[:, None] * stride_hidden + o_k[None, :]  # [BM, BK]
     page_gate = tl.load(p_page_table + i_e * 3).to(tl.int64)
     page_up = tl.load(p_page_table + i_e * 3 + 1).to(tl.int64)
+    if page_gate < 0:  # not in the pool: `_down_kernel` writes its rows' zeros without reading act
+        return
     o_w = o_n[None, :] * hidden_size + o_k[:, None]  # [BK, BN]: column n of the GEMM is row n of the page
     p_g = p_experts + page_gate * stride_page + o_w
     p_u = p_experts + page_up * stride_page + o_w
@@ -79,6 +83,10 @@ def _down_kernel(
     o_k = tl.arange(0, BLOCK_K)
     p_a = p_act + b_pair[:, None] * stride_act + o_k[None, :]  # [BM, BK]
     page_down = tl.load(p_page_table + i_e * 3 + 2).to(tl.int64)
+    p_y = p_out + b_pair[:, None] * stride_out + o_n[None, :]
+    if page_down < 0:  # NOTE: an expert not in the pool adds nothing (only a CUDA graph's padding rows route there)
+        tl.store(p_y, tl.zeros((BLOCK_M, BLOCK_N), dtype=p_out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
+        return
     p_w = p_experts + page_down * stride_page + o_n[None, :] * num_features + o_k[:, None]  # [BK, BN]
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(num_features, BLOCK_K)):
@@ -90,7 +98,6 @@ def _down_kernel(
         p_w += BLOCK_K
     b_weight = tl.load(p_weights + b_pair, mask=m_m, other=0.0).to(tl.float32)  # router weights in fp32
     b_acc = b_acc * b_weight[:, None]
-    p_y = p_out + b_pair[:, None] * stride_out + o_n[None, :]
     tl.store(p_y, b_acc.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 

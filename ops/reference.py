@@ -28,10 +28,13 @@ def paged_moe(
     topk_weights: torch.Tensor,  # [T, K] float32
     num_features: int,  # F
 ) -> torch.Tensor:  # [T, D]
-    """Sum over k of topk_weights[t, k] * down(silu(gate x) * up x) for expert topk_ids[t, k]; fp32 accumulation."""
+    """Sum over k of topk_weights[t, k] * down(silu(gate x) * up x) for expert topk_ids[t, k]; fp32 accumulation.
+    An expert whose pages are -1 (not in the pool) adds nothing."""
     num_tokens, hidden_size = hidden.shape
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)  # [T, D]
     for expert_id in torch.unique(topk_ids).tolist():
+        if page_table[expert_id, 2] < 0:
+            continue
         token_idx, k_idx = torch.nonzero(topk_ids == expert_id, as_tuple=True)  # [A], [A]
         gate, up, down = expert_matrices(expert_view, page_table[expert_id].long(), num_features, hidden_size)
         x = hidden[token_idx].float()  # [A, D]

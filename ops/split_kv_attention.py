@@ -22,7 +22,8 @@ MIN_SPLIT_TOKENS of the longest possible context (page table width * page tokens
 request's query blocks, so any batch is computed correctly, but prefill chunks would redo the split bookkeeping for
 nothing: the dispatcher sends only decode batches here.
 
-Performance: not measured yet (docs/benchmarks/kernels.md, "Next run").
+Performance (H200, docs/benchmarks/kernels.md): B=1 at 8,192 tokens 111 us against 185 us unsplit; B=8 at 4,096
+tokens 92.6 against 101.5 us; slower than the unsplit kernel from B * Hk = 64 programs up, so not used there.
 """
 
 import functools
@@ -34,10 +35,13 @@ import triton.language as tl
 from rimuru.ops.attention_tiles import attend_pages
 
 LOG2_E = 1.4426950408889634
-PROGRAMS_PER_SM = 4  # programs wanted per streaming multiprocessor (guess; the H200 sweep will set it)
+PROGRAMS_PER_SM = 4  # programs wanted per streaming multiprocessor once a batch is split
+# Split only while the unsplit kernel would leave most SMs idle: on the H200 (kernels.md) splitting won at 4 and 32
+# unsplit programs (B=1 and B=8, Hk=4: -40% and -9%) and lost from 64 up (B=16: +6%, B=64: +64%, B=128: +47%).
+MAX_UNSPLIT_PROGRAMS_PER_SM = 0.25
 MIN_SPLIT_TOKENS = 256  # no more splits than this many tokens of the longest possible context each
 MAX_SPLITS = 64
-INTERPRETER_SMS = 8  # CPU (Triton interpreter): a small GPU's worth, so test batches split
+INTERPRETER_SMS = 32  # CPU (Triton interpreter): a small GPU's worth, so test batches of a few requests split
 
 
 @triton.jit
@@ -110,7 +114,10 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_requests: int, num_kv_heads: int, max_kv_tokens: int, sms: int) -> int:
-    """Splits a request's K/V: a power of two that fills `sms` with programs, capped by the longest context."""
+    """Splits a request's K/V: 1 when B * Hk programs already cover a quarter of `sms`, else a power of two that
+    fills `sms` with programs, capped by the longest context."""
+    if num_requests * num_kv_heads > MAX_UNSPLIT_PROGRAMS_PER_SM * sms:
+        return 1
     wanted = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * sms, max(1, num_requests * num_kv_heads)))
     return max(1, min(wanted, triton.cdiv(max_kv_tokens, MIN_SPLIT_TOKENS), MAX_SPLITS))
 

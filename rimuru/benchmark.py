@@ -36,7 +36,7 @@ def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True) -
     """Replay `requests`; returns the record (see the module docstring). Mutates the engine's queues only."""
     clock, series = _Clock(), []
     pending, start = list(requests), time.perf_counter()
-    steps_before, copied_before = engine.num_steps, engine.expert_stats["bytes_copied"]
+    before = _counters(engine)
     with tqdm(total=len(requests), desc="Benchmark", unit="req", disable=not progress) as bar:
         while pending or engine.has_unfinished():
             now = time.perf_counter() - start
@@ -52,7 +52,7 @@ def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True) -
             bar.update(sum(r.is_finished for r in updated))
             series.append(_sample(engine, now, sum(1 for _ in updated)))
     wall = time.perf_counter() - start
-    return _record(engine, requests, clock, series, wall, steps_before, copied_before)
+    return _record(engine, requests, clock, series, wall, before)
 
 
 def _submit(engine: Engine, request: dict, clock: _Clock, now: float) -> None:
@@ -76,7 +76,12 @@ def _sample(engine: Engine, now: float, num_tokens: int) -> dict:
     }
 
 
-def _record(engine: Engine, requests, clock: _Clock, series, wall, steps_before, copied_before) -> dict:
+def _counters(engine: Engine) -> dict:
+    return {"forward_steps": engine.num_steps, "graph_steps": engine.runner.num_graph_steps,
+            "bytes_copied": engine.expert_stats["bytes_copied"]}  # fmt: skip
+
+
+def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict) -> dict:
     ttft = [clock.tokens[r][0] - clock.arrival[r] for r in clock.arrival]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in clock.tokens.values() if len(t) > 1]
     itl = [b - a for t in clock.tokens.values() for a, b in zip(t, t[1:])]
@@ -94,11 +99,12 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, steps_before,
         "itl_s": _summary(itl),
         "peak_concurrency": max((s["running"] for s in series), default=0),
         "mean_concurrency": round(statistics.fmean(s["running"] for s in series), 2) if series else 0,
-        "forward_steps": engine.num_steps - steps_before,
+        "forward_steps": engine.num_steps - before["forward_steps"],
+        "graph_steps": engine.runner.num_graph_steps - before["graph_steps"],  # of those, CUDA graph replays
         "preemptions": engine.scheduler.num_preemptions,
         "evictions": experts["evictions"],
         "additions": experts["additions"],
-        "bytes_copied": experts["bytes_copied"] - copied_before,
+        "bytes_copied": experts["bytes_copied"] - before["bytes_copied"],
         "prefetch_hit_rate": round(experts["prefetch_hits"] / lookups, 4) if lookups else None,
         "hook_seconds": round(experts["hook_seconds"], 3),
         "peak_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,

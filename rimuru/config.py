@@ -46,6 +46,7 @@ class EngineConfig:
     offload_per_layer: int | None = None  # experts each layer keeps on the host (fixed); None: a quarter of them
     expert_ranking: str | None = None  # path of expert_ranking.json; None: beside the checkpoint, else uniform
     prefetch: bool = True  # predict the next layer's experts and copy them ahead
+    cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: same path, eager)
     seed: int = 0
     progress: bool = True
 

@@ -13,11 +13,12 @@ Inside a pass, `on_routing` runs before each MoE layer's kernel:
 The two buffers, each `buffer_experts` experts x 3 pages inside the pool, alternate by MoE layer ordinal.
 
 With an `ExpertPopularity`, every layer's routing is also counted on the device (`count_routing`, the whole hook
-when nothing is offloaded: no host sync).
+when nothing is offloaded: no host sync); `observers` see every routing too.
 """
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,6 +66,9 @@ class ExpertManager:
         self.pending_add: dict[tuple[int, int], tuple[list[int], object]] = {}  # (layer, expert) -> (pages, event)
         self.pending_evict: list[tuple[int, int]] = []
         self.stats = ExpertStats()
+        # called with (layer, router input [T, D], topk_ids [T, K]) at every MoE routing of every pass, eager or
+        # CUDA graph, with the batch's rows only (rimuru.profiler)
+        self.observers: list[Callable[[int, torch.Tensor, torch.Tensor], None]] = []
 
     def _reserve_buffer(self, index: int, num_experts: int) -> _Buffer:
         page_ids = self.store.allocator.allocate(("loading-buffer", index), num_experts * PAGES_PER_EXPERT, EXPERT)
@@ -77,13 +81,27 @@ class ExpertManager:
         """Whether this pass needs the routing hook: some expert is on the host or on its way in."""
         return bool(self.store.num_offloaded or self.pending_add)
 
+    def pass_routing(self, fixed_tables: bool = False) -> tuple[torch.Tensor, Callable | None]:
+        """The expert page tables [L, E, 3] the kernels read this pass, and the routing hook to run. With every
+        expert resident that is the resident table and at most the counting hook. `fixed_tables` (CUDA graphs,
+        whose kernels read one fixed tensor) always gives `working_tables`, refreshed here when no hook will."""
+        if self.is_active:
+            return self.working_tables, self.on_routing
+        if fixed_tables:
+            self.working_tables.copy_(self.store.page_tables)
+            return self.working_tables, self.counting_hook
+        return self.store.page_tables, self.counting_hook
+
     @property
     def counting_hook(self):
         """The routing hook of a pass with every expert resident: counting only, or None when nothing counts."""
-        return self.count_routing if self.popularity is not None else None
+        return self.count_routing if self.popularity is not None or self.observers else None
 
     def count_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        self.popularity.record(layer, topk_ids)
+        if self.popularity is not None:
+            self.popularity.record(layer, topk_ids)
+        for observe in self.observers:
+            observe(layer, hidden, topk_ids)
 
     # ---- between passes ----------------------------------------------------------------------------------------
 
@@ -118,8 +136,7 @@ class ExpertManager:
     def on_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """Make every expert routed at `layer` readable through `working_tables[layer]` before its kernel runs."""
         start = time.perf_counter()
-        if self.popularity is not None:
-            self.popularity.record(layer, topk_ids)
+        self.count_routing(layer, hidden, topk_ids)
         for key in [k for k in self.pending_add if k[0] == layer]:
             self._publish(*key)
         row = self.working_tables[layer]  # [E, 3]

@@ -33,9 +33,13 @@ def activation_bytes(config: ModelConfig, dtype: torch.dtype, max_tokens: int, m
 
 
 def plan_memory(config: ModelConfig, device: torch.device, dtype: torch.dtype, budget: int | None,
-                weights_bytes: int, expert_bytes: int, max_tokens: int, max_seqs: int) -> MemoryPlan:  # fmt: skip
-    """The pool size; ValueError naming the numbers when the budget cannot hold the weights and activations."""
+                weights_bytes: int, expert_bytes: int, max_tokens: int, max_seqs: int,
+                graph_seqs: int = 0) -> MemoryPlan:  # fmt: skip
+    """The pool size; ValueError naming the numbers when the budget cannot hold the weights and activations.
+    `graph_seqs`: the largest CUDA-graph decode batch, whose pass has a memory pool of its own."""
     reserve = activation_bytes(config, dtype, max_tokens, max_seqs)
+    if graph_seqs:
+        reserve += activation_bytes(config, dtype, graph_seqs, graph_seqs)
     if device.type == "cuda":
         reserve += CUDA_WORKSPACE_BYTES
     if budget is not None:

@@ -1,31 +1,60 @@
 """`ModelRunner`: turns a `ScheduledBatch` into the model's `ForwardContext`, runs the forward pass, returns logits.
 
 Builds every per-step tensor on the host with a few vectorised gathers from the KV cache's page tables
-(no per-layer Python loops), then moves them to the device in one go.
+(no per-layer Python loops), then moves them to the device in one go, or, for a decode-only batch that the
+`DecodeGraphs` hold, into their static buffers for a graph replay.
 """
+
+from dataclasses import dataclass
 
 import torch
 
+from rimuru.decode_graphs import DecodeGraphs
 from rimuru.expert_manager import ExpertManager
 from rimuru.kv_cache import KVCacheManager
 from rimuru.models import ForwardContext, QwenMoeForCausalLM
 from rimuru.scheduler import ScheduledBatch
 
 
+@dataclass
+class StepInputs:
+    """One step's model inputs on the host. T tokens, B requests, B' sampled rows, L layers, P' pages."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    query_start_loc: torch.Tensor  # [B + 1] int32
+    seq_lens: torch.Tensor  # [B] int32
+    kv_page_tables: torch.Tensor  # [L, B, P'] int32, P' = pages of the longest request
+    slot_mappings: torch.Tensor  # [L, T] int64
+    logits_indices: torch.Tensor  # [B'] int64
+    sample_rows: list[int]  # batch rows of the B' logits
+
+    @property
+    def is_decode(self) -> bool:
+        """Every request brings one token and is sampled (the shape CUDA graphs are captured for)."""
+        return len(self.input_ids) == len(self.seq_lens) == len(self.sample_rows)
+
+
 class ModelRunner:
     def __init__(self, model: QwenMoeForCausalLM, kv_cache: KVCacheManager, kv_view: torch.Tensor,
-                 experts: ExpertManager):  # fmt: skip
+                 experts: ExpertManager, graphs: DecodeGraphs | None = None):  # fmt: skip
         self.model, self.kv_cache, self.kv_view, self.experts = model, kv_cache, kv_view, experts
+        self.graphs = graphs
         self.device = kv_view.device
+        self.num_graph_steps = 0  # steps run as graph replays
 
     @torch.inference_mode()
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Logits [B', V] (fp32) for the requests that finish their known tokens this round, and their batch rows."""
-        input_ids, ctx, sample_rows = self.prepare(batch)
-        logits = self.model(input_ids, ctx)  # [B', V]
-        return logits.float(), sample_rows
+        inputs = self.prepare(batch)
+        if self.graphs is not None and inputs.is_decode and self.graphs.holds(len(inputs.seq_lens)):
+            _, hook = self.experts.pass_routing(fixed_tables=True)  # the graphs read working_tables
+            self.num_graph_steps += 1
+            return self.graphs.run(inputs, hook).float(), inputs.sample_rows
+        logits = self.model(inputs.input_ids.to(self.device, non_blocking=True), self.context(inputs))  # [B', V]
+        return logits.float(), inputs.sample_rows
 
-    def prepare(self, batch: ScheduledBatch) -> tuple[torch.Tensor, ForwardContext, list[int]]:
+    def prepare(self, batch: ScheduledBatch) -> StepInputs:
         tokens, positions, slots, starts, seq_lens, sample_rows, logits_indices = [], [], [], [0], [], [], []
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
@@ -44,21 +73,31 @@ class ModelRunner:
         page_tokens = self.kv_cache.page_tokens
         tables = self.kv_cache.tables  # [L, slots, P]
         pages = tables[:, token_slots, positions_t // page_tokens].long()  # [L, T]
-        slot_mappings = pages * page_tokens + positions_t % page_tokens  # [L, T]
         max_pages = -(-max(seq_lens) // page_tokens)
-        kv_page_tables = tables[:, slots_t, :max_pages]  # [L, B, P']
-        dev, active = self.device, self.experts.is_active
-        ctx = ForwardContext(
-            positions=positions_t.to(dev, non_blocking=True),
-            query_start_loc=torch.tensor(starts, dtype=torch.int32).to(dev, non_blocking=True),
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32).to(dev, non_blocking=True),
-            kv_page_tables=kv_page_tables.to(dev, non_blocking=True),
-            slot_mappings=slot_mappings.to(dev, non_blocking=True),
-            # with every expert resident the kernels read the resident tables and no hook runs
-            expert_page_tables=self.experts.working_tables if active else self.experts.store.page_tables,
+        return StepInputs(
+            input_ids=torch.tensor(tokens, dtype=torch.int64),
+            positions=positions_t,
+            query_start_loc=torch.tensor(starts, dtype=torch.int32),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+            kv_page_tables=tables[:, slots_t, :max_pages],  # [L, B, P']
+            slot_mappings=pages * page_tokens + positions_t % page_tokens,  # [L, T]
+            logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
+            sample_rows=sample_rows,
+        )
+
+    def context(self, inputs: StepInputs) -> ForwardContext:
+        """The eager pass's context: every input moved to the device."""
+        dev = self.device
+        tables, hook = self.experts.pass_routing()
+        return ForwardContext(
+            positions=inputs.positions.to(dev, non_blocking=True),
+            query_start_loc=inputs.query_start_loc.to(dev, non_blocking=True),
+            seq_lens=inputs.seq_lens.to(dev, non_blocking=True),
+            kv_page_tables=inputs.kv_page_tables.to(dev, non_blocking=True),
+            slot_mappings=inputs.slot_mappings.to(dev, non_blocking=True),
+            expert_page_tables=tables,
             kv_view=self.kv_view,
             expert_view=self.experts.store.expert_view,
-            logits_indices=torch.tensor(logits_indices, dtype=torch.int64).to(dev, non_blocking=True),
-            on_routing=self.experts.on_routing if active else self.experts.counting_hook,
+            logits_indices=inputs.logits_indices.to(dev, non_blocking=True),
+            on_routing=hook,
         )
-        return torch.tensor(tokens, dtype=torch.int64).to(dev, non_blocking=True), ctx, sample_rows

@@ -1,8 +1,9 @@
 """`profile_experts`: run sample requests and measure each MoE layer's share of routing probability per expert.
 
 The share of expert e in layer l is the mean over routed tokens of softmax(router logits)[e]; the result is the
-`ExpertRanking` the engine uses to keep hot experts resident. A forward pre-hook on each MoE block recomputes its
-router's probabilities from the block's input, so profiling needs nothing from the engine but a normal run.
+`ExpertRanking` the engine uses to keep hot experts resident. An observer of the expert manager recomputes each
+router's probabilities from its input at every routing (eager passes and CUDA graph replays alike), so profiling
+needs nothing from the engine but a normal run.
 """
 
 import torch
@@ -16,7 +17,14 @@ def profile_experts(engine: Engine, prompts: list, max_tokens: int = 16) -> Expe
     """Generate `max_tokens` for each prompt (greedy, EOS ignored) and return the measured ranking."""
     layers = engine.model_config.moe_layer_ids
     totals = {layer: torch.zeros(engine.model_config.num_experts, dtype=torch.float64) for layer in layers}
-    handles = [_observe(engine.loaded.model.model.layers[layer].mlp, totals[layer]) for layer in layers]
+    routers = {layer: engine.loaded.model.model.layers[layer].mlp.gate.weight for layer in layers}
+
+    def observe(layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        logits = hidden.float() @ routers[layer].float().T  # [T, E]
+        totals[layer].add_(logits.softmax(dim=-1).sum(dim=0).double().cpu())
+
+    observers = engine.expert_manager.observers
+    observers.append(observe)
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
         for i, prompt in enumerate(prompts):
@@ -24,14 +32,5 @@ def profile_experts(engine: Engine, prompts: list, max_tokens: int = 16) -> Expe
         while engine.has_unfinished():
             engine.step()
     finally:
-        for handle in handles:
-            handle.remove()
+        observers.remove(observe)
     return ExpertRanking({layer: tuple((t / t.sum()).tolist()) for layer, t in totals.items()})
-
-
-def _observe(moe_block: torch.nn.Module, total: torch.Tensor):
-    def hook(module, inputs):
-        logits = inputs[0].float() @ module.gate.weight.float().T  # [T, E]
-        total.add_(logits.softmax(dim=-1).sum(dim=0).double().cpu())
-
-    return moe_block.register_forward_pre_hook(hook)

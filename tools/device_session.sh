@@ -8,8 +8,10 @@
 #   python3 ../shared/workloads/sharegpt_synth.py --num 200 --rate 0 --seed 0 > .bench/stream-200-r0.jsonl
 #   python3 ../shared/workloads/sharegpt_synth.py --num 100 --rate 10 --seed 0 > .bench/stream-100-r10.jsonl
 # Jobs:
-#   kernels   GPU op tests and the split-KV decode attention sweep (docs/benchmarks/kernels.md, "Next run")
+#   gputests  every @pytest.mark.gpu test (ops, models, engine: CUDA graphs against eager)
+#   kernels   the split-KV decode attention sweep and the top-k sum (docs/benchmarks/kernels.md)
 #   profile   where a decode step of 200 requests spends its time (tools/profile_step.py)
+#   throughput  rimuru bench, all experts resident on the whole GPU, the stream all at once (engine.md)
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
 #   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE
 set -u
@@ -21,8 +23,12 @@ export RIMURU_COMMIT=${RIMURU_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null |
 DUMMY=()
 [ -f "$MODEL/model.safetensors" ] || [ -f "$MODEL/model.safetensors.index.json" ] || DUMMY=(--load-format dummy)
 
+gputests() {
+  # --import-mode=append: the repository's own `rimuru/` folder must not shadow the package laid out in /tmp/pkg
+  python -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/ops tests/models tests/engine 2>&1 | tail -15
+}
+
 kernels() {
-  python -m pytest -q -p no:cacheprovider -m gpu tests/ops 2>&1 | tail -15
   python tools/bench_kernels.py --skip-moe --out "$OUT/kernels_decode.json" > "$OUT/kernels_decode.txt" 2>&1
   tail -40 "$OUT/kernels_decode.txt"
 }
@@ -30,7 +36,14 @@ kernels() {
 profile() {
   python tools/profile_step.py "$MODEL" "${DUMMY[@]}" --stream "$STREAM" --num-requests 200 --steps 20 \
     --expert-policy resident --trace "$OUT/step_trace.json" > "$OUT/profile_step.txt" 2>&1
+  gzip -f "$OUT/step_trace.json"  # several MB of JSON: the fetch limit is 16 MiB a file
   head -40 "$OUT/profile_step.txt"
+}
+
+throughput() {
+  timeout 280 python tools/cli.py bench "$MODEL" --stream "$STREAM" --rate 0 --expert-policy resident --quiet \
+    "${DUMMY[@]}" --out "$OUT/throughput-whole.json" > "$OUT/throughput-whole.log" 2>&1
+  echo "resident, whole GPU: rc=$? $(grep -m1 -h output_tokens_per_s "$OUT/throughput-whole.log")"
 }
 
 serve() {

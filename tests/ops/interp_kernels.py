@@ -35,6 +35,20 @@ def test_paged_moe(num_tokens, num_experts, top_k):
     torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
 
 
+def test_paged_moe_skips_experts_not_in_the_pool():
+    """Experts whose pages are -1 add nothing, and nothing is read for them: equal to the same routing with their
+    router weights set to zero (the case a CUDA graph's padding rows are in)."""
+    case = moe_case(17, 8, 2, num_features=40, hidden_size=72, seed=5)
+    absent = torch.tensor([1, 6])
+    case.page_table[absent] = -1
+    zeroed_weights = case.topk_weights.masked_fill(torch.isin(case.topk_ids, absent), 0.0)
+    present = case.page_table.clone()
+    present[absent] = case.page_table[0]  # any readable pages: their rows are weighted by zero
+    expected = reference.paged_moe(case.hidden, case.expert_view, present, case.topk_ids, zeroed_weights, 40)
+    for out in (reference.paged_moe(*case.args()), paged_moe_triton(*case.args(), config=SMALL)):
+        torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_paged_moe_identity_and_tiles(block_m):
     case = moe_case(33, 8, 2, num_features=40, hidden_size=72, identity=True)

@@ -54,7 +54,7 @@ def test_paged_attention_bf16(num_heads, num_kv_heads, head_dim, batch):
 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(32, 4), (8, 8)])
-@pytest.mark.parametrize("num_splits", [None, 2, 5, 64])  # None: the dispatcher's choice (16 here)
+@pytest.mark.parametrize("num_splits", [None, 2, 5, 64])  # None: the dispatcher's choice
 def test_split_kv_decode_bf16(num_heads, num_kv_heads, num_splits):
     from rimuru.ops.paged_attention import attention_config, default_config, paged_attention_triton
 
@@ -64,7 +64,7 @@ def test_split_kv_decode_bf16(num_heads, num_kv_heads, num_splits):
     ref = reference.paged_attention(*as_fp32(case.args()))
     group = num_heads // num_kv_heads
     cfg = attention_config(len(requests), len(requests), group, num_splits) if num_splits else None
-    if num_splits is None:
+    if num_splits is None and num_kv_heads == 4:  # 7 x 4 programs leave most of an H200 idle: it splits
         assert default_config(case.query, case.kv_view, case.page_table, len(requests))["NUM_SPLITS"] > 1
     poison_allocator()  # the split partials come from the allocator too: an unwritten one would read NaN
     tri = paged_attention_triton(*case.args(), config=cfg)

@@ -1,0 +1,34 @@
+"""A forward pass in pieces: the model's `steps` generators pause after each MoE layer's router.
+
+The pause is where the expert manager works (copy routed experts in, prefetch the next layer's) before the expert
+kernel reads the page table. `run_pieces` drives a pass eagerly, calling the context's `on_routing` hook at each
+pause; `rimuru.decode_graphs` captures each piece between two pauses as a CUDA graph and runs the hook between
+replays. Either way the model code is the same, so the two paths compute the same tokens.
+
+    steps():  [embed, attn 0, router 0] | pause 0 | [experts 0, attn 1, router 1] | pause 1 | ... | [experts L-1, lm head]
+"""
+
+from collections.abc import Callable, Generator
+from typing import NamedTuple
+
+import torch
+
+
+class RoutingPoint(NamedTuple):
+    layer_idx: int
+    hidden: torch.Tensor  # [T, D] the router's input
+    topk_ids: torch.Tensor  # [T, K] the experts each token is routed to
+
+
+Pieces = Generator[RoutingPoint, None, torch.Tensor]  # yields at each routing, returns the pass's output
+
+
+def run_pieces(pieces: Pieces, on_routing: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
+    """Run every piece of a pass, calling `on_routing(layer_idx, hidden, topk_ids)` at each pause."""
+    while True:
+        try:
+            point = next(pieces)
+        except StopIteration as done:
+            return done.value
+        if on_routing is not None:
+            on_routing(*point)

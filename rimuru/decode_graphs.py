@@ -1,0 +1,159 @@
+"""`DecodeGraphs`: decode-only forward passes replayed as CUDA graphs, the expert hook running between replays.
+
+Eager decode of 200 requests spends 40 ms a step on the host launching kernels that keep an H200 busy for 14 ms
+(docs/benchmarks/engine.md). Here the pieces of a pass between two MoE routings (`rimuru.models.pieces`) are
+captured once per batch size of `batch_sizes`, all in one memory pool. A step writes its inputs into static
+buffers, pads the batch to the next captured size and replays the pieces in order; between two pieces it runs the
+routing hook on the real rows exactly as the eager pass does (copies of routed experts, prefetch of the next
+layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook left them.
+
+Padding rows are decodes of token 0 at position 0 with a single K/V slot in a scratch page that belongs to the
+graphs, so they write into and read from no request's pages:
+
+    rows      | 0 .. B-1: the batch             | B .. size-1: padding                 |
+    seq_len   | the request's                   | 1                                    |
+    pages     | the request's KV page table     | [scratch, stale...] (only page 0 read) |
+    slot      | the new token's K/V slot         | scratch * page_tokens                |
+
+Prefill chunks, mixed batches and batches above the largest size run eagerly. Without `capture` (CPU, where
+there are no CUDA graphs) `run` executes the pieces eagerly over the same static, padded buffers: the tests use
+that to check the padding and the hook on the CPU.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from rimuru.models import ForwardContext, QwenMoeForCausalLM
+from rimuru.models.pieces import RoutingPoint, run_pieces
+
+MAX_GRAPH_BATCH = 512
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """Captured sizes: 1, 2, 4, then every multiple of 8 up to max_num_seqs (at most MAX_GRAPH_BATCH), as vLLM."""
+    top = min(max_num_seqs, MAX_GRAPH_BATCH)
+    sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8))
+    return sizes + [top]
+
+
+@dataclass
+class _Captured:
+    graphs: list  # one torch.cuda.CUDAGraph per piece
+    points: list[RoutingPoint]  # static tensors the hook reads after graph i
+    logits: torch.Tensor  # [size, V] the last graph's output
+
+
+class DecodeGraphs:
+    def __init__(self, model: QwenMoeForCausalLM, kv_view: torch.Tensor, expert_view: torch.Tensor,
+                 expert_tables: torch.Tensor, max_pages: int, scratch_page: int, batch_sizes: list[int],
+                 capture: bool):  # fmt: skip
+        self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
+        self.batch_sizes, self.capture = sorted(batch_sizes), capture
+        self.scratch_page, self.page_tokens = scratch_page, kv_view.shape[2]
+        dev, top, num_layers = kv_view.device, self.batch_sizes[-1], model.config.num_hidden_layers
+        self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one token a request
+        self.logits_indices = torch.arange(top, dtype=torch.int64, device=dev)
+        self.kv_page_tables = torch.full((num_layers, top, max_pages), scratch_page, dtype=torch.int32, device=dev)
+        self.slot_mappings = torch.full((num_layers, top), scratch_page * self.page_tokens, dtype=torch.int64,
+                                        device=dev)  # fmt: skip
+        self.captured: dict[int, _Captured] = {}
+
+    def holds(self, num_requests: int) -> bool:
+        return num_requests <= self.batch_sizes[-1]
+
+    def size_for(self, num_requests: int) -> int:
+        return next(s for s in self.batch_sizes if s >= num_requests)
+
+    # ---- capture -----------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def capture_all(self) -> None:
+        """Warm up and capture every size, largest first, into one memory pool (a no-op without `capture`)."""
+        if not self.capture:
+            return
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.kv_view.device)
+        for size in reversed(self.batch_sizes):
+            self._write_padding(0, size)
+            run_pieces(self.model.steps(self.input_ids[:size], self._context(size)), None)  # compiles the kernels
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.captured[size] = self._capture(size, pool)
+            torch.cuda.current_stream().wait_stream(stream)
+        torch.cuda.synchronize()
+
+    def _capture(self, size: int, pool) -> _Captured:
+        # NOTE: capture_begin/end rather than `torch.cuda.graph`, which collects garbage around each of the
+        # (sizes x MoE layers) captures.
+        pieces = self.model.steps(self.input_ids[:size], self._context(size))
+        graphs, points = [], []
+        while True:
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool)
+            try:
+                point, logits = next(pieces), None
+            except StopIteration as done:
+                point, logits = None, done.value
+            finally:
+                graph.capture_end()
+            graphs.append(graph)
+            if point is None:
+                return _Captured(graphs, points, logits)
+            points.append(point)
+
+    # ---- a step ------------------------------------------------------------------------------------------------
+
+    @torch.inference_mode()
+    def run(self, inputs, on_routing) -> torch.Tensor:
+        """Logits [B, V] of a decode batch (`StepInputs` with one token a request), padded to the next size."""
+        num_requests = len(inputs.seq_lens)
+        size = self.size_for(num_requests)
+        self._write_inputs(inputs)
+        self._write_padding(num_requests, size)
+
+        def hook(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+            on_routing(layer_idx, hidden[:num_requests], topk_ids[:num_requests])  # padding rows never load experts
+
+        hook = hook if on_routing is not None else None
+        if not self.capture:
+            return run_pieces(self.model.steps(self.input_ids[:size], self._context(size)), hook)[:num_requests]
+        captured = self.captured[size]
+        for graph, point in zip(captured.graphs, captured.points + [None]):
+            graph.replay()
+            if point is not None and hook is not None:
+                hook(*point)
+        return captured.logits[:num_requests]
+
+    def _write_inputs(self, inputs) -> None:
+        num_requests, num_pages = inputs.kv_page_tables.shape[1:]
+        self.input_ids[:num_requests].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:num_requests].copy_(inputs.positions, non_blocking=True)
+        self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
+        self.kv_page_tables[:, :num_requests, :num_pages].copy_(inputs.kv_page_tables, non_blocking=True)
+        self.slot_mappings[:, :num_requests].copy_(inputs.slot_mappings, non_blocking=True)
+
+    def _write_padding(self, start: int, end: int) -> None:
+        """Rows [start, end) become padding rows (see the module docstring)."""
+        if start >= end:
+            return
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.seq_lens[start:end] = 1
+        self.kv_page_tables[:, start:end, 0] = self.scratch_page
+        self.slot_mappings[:, start:end] = self.scratch_page * self.page_tokens
+
+    def _context(self, size: int) -> ForwardContext:
+        return ForwardContext(
+            positions=self.positions[:size],
+            query_start_loc=self.query_start_loc[: size + 1],
+            seq_lens=self.seq_lens[:size],
+            kv_page_tables=self.kv_page_tables[:, :size],
+            slot_mappings=self.slot_mappings[:, :size],
+            expert_page_tables=self.expert_tables,
+            kv_view=self.kv_view,
+            expert_view=self.expert_view,
+            logits_indices=self.logits_indices[:size],
+        )

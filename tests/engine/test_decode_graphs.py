@@ -1,0 +1,88 @@
+"""Decode steps as CUDA graphs (`rimuru.decode_graphs`): the padded, static-buffer path gives the same tokens as the
+eager one, under every memory policy, and the routing hook never sees a padding row.
+
+On CPU `cuda_graphs=True` runs the very same padded path without capturing; the GPU test captures and replays."""
+
+import pytest
+import torch
+
+from rimuru import LLM
+from rimuru.decode_graphs import graph_batch_sizes
+from tests.engine.conftest import NUM_PROMPTS
+from tests.engine.test_experts import GREEDY, budget_for, run
+
+
+def test_graph_batch_sizes_follow_vllms_and_end_at_the_limit():
+    assert graph_batch_sizes(256)[:6] == [1, 2, 4, 8, 16, 24]
+    assert graph_batch_sizes(256)[-1] == 256 and len(graph_batch_sizes(256)) == 35
+    assert graph_batch_sizes(20) == [1, 2, 4, 8, 16, 20]
+    assert graph_batch_sizes(3) == [1, 2, 3]
+    assert graph_batch_sizes(4096)[-1] == 512
+
+
+def record_hook_rows(engine) -> list[tuple[int, int]]:
+    """(rows the hook saw, requests in the step) for every routing of every graph step."""
+    seen, manager, runner = [], engine.expert_manager, engine.runner
+    hook, run_graph = manager.on_routing, runner.graphs.run
+
+    def on_routing(layer, hidden, topk_ids):
+        if current[0] is not None:  # eager (prefill) passes call the hook too
+            seen.append((hidden.shape[0], topk_ids.shape[0], current[0]))
+        hook(layer, hidden, topk_ids)
+
+    def run(inputs, on_routing_):
+        current[0] = len(inputs.seq_lens)
+        try:
+            return run_graph(inputs, on_routing_)
+        finally:
+            current[0] = None
+
+    current = [None]
+    manager.on_routing, runner.graphs.run = on_routing, run
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["elastic", "fixed"])
+def test_padded_graph_path_changes_speed_never_tokens(family, policy):
+    folder, prompts, expected = family
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    options = dict(gpu_memory_budget=budget, expert_policy=policy, expert_offload_limit=3, offload_per_layer=3)
+    seen = []
+    engine, tokens = run(folder, prompts, prepare=lambda e: seen.append(record_hook_rows(e)), cuda_graphs=True,
+                         **options)  # fmt: skip
+    assert tokens == expected
+    assert engine.runner.num_graph_steps > 0
+    rows = seen[0]
+    assert rows and all(hidden == ids == batch for hidden, ids, batch in rows)  # padding never reaches the hook
+    sizes = engine.runner.graphs.batch_sizes
+    assert any(batch not in sizes for *_, batch in rows)  # some steps were padded (9 prompts -> a batch of 16)
+    assert engine.expert_stats["prefetch_misses"] > 0 and engine.experts.num_offloaded > 0
+    assert engine.allocator.pages_of("decode-graphs", "kv") == [engine.runner.graphs.scratch_page]
+
+
+def test_cpu_runs_eagerly_unless_asked(family):
+    folder, prompts, expected = family
+    engine, tokens = run(folder, prompts[:2])
+    assert engine.runner.graphs is None and engine.runner.num_graph_steps == 0
+    assert not engine.allocator.owns("decode-graphs")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["resident", "fixed"])
+def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy):
+    """8 prompts decode as one batch of 8, a captured size, so graph and eager run the same kernels and tiles."""
+    folder, prompts, _ = family
+    prompts = prompts[:8]
+    assert NUM_PROMPTS >= 8
+    options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3)
+    if policy == "fixed":
+        options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3) + 2**30
+    outputs = {}
+    for graphs in (False, True):
+        llm = LLM(folder, progress=False, cuda_graphs=graphs, **options)
+        outputs[graphs] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        assert (llm.engine.runner.num_graph_steps > 0) == graphs
+        if graphs and policy == "fixed":
+            assert llm.engine.expert_stats["prefetch_misses"] + llm.engine.expert_stats["prefetch_hits"] > 0
+    assert outputs[True] == outputs[False]
