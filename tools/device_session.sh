@@ -6,6 +6,7 @@
 # Prepare .bench on the developer machine first (it is git-ignored):
 #   mkdir -p .bench/qwen1.5-moe-a2.7b && cp ../shared/models/qwen1.5-moe-a2.7b/config.json .bench/qwen1.5-moe-a2.7b/
 #   python3 ../shared/workloads/sharegpt_synth.py --num 200 --rate 0 --seed 0 > .bench/stream-200-r0.jsonl
+#   python3 ../shared/workloads/sharegpt_synth.py --num 400 --rate 0 --seed 0 > .bench/stream-400-r0.jsonl
 #   python3 ../shared/workloads/sharegpt_synth.py --num 100 --rate 10 --seed 0 > .bench/stream-100-r10.jsonl
 # Jobs:
 #   gputests  every @pytest.mark.gpu test (ops, models, engine: CUDA graphs against eager)
@@ -13,7 +14,8 @@
 #   profile   where a decode step of 200 requests spends its time (tools/profile_step.py)
 #   throughput  rimuru bench, all experts resident on the whole GPU, the stream all at once (engine.md)
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
-#   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE
+#   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE,
+#             one process (tools/bench_sweep.py); records and logs in $OUT/scenario-r$RATE.tar.gz
 set -u
 OUT=${OUT:-/tmp/out} MODEL=${MODEL:-.bench/qwen1.5-moe-a2.7b} STREAM=${STREAM:-.bench/stream-200-r0.jsonl}
 RATE=${RATE:-0} BUDGET=${BUDGET:-30GiB} SERVE_STREAM=${SERVE_STREAM:-.bench/stream-100-r10.jsonl}
@@ -24,8 +26,8 @@ DUMMY=()
 [ -f "$MODEL/model.safetensors" ] || [ -f "$MODEL/model.safetensors.index.json" ] || DUMMY=(--load-format dummy)
 
 gputests() {
-  # --import-mode=append: the repository's own `rimuru/` folder must not shadow the package laid out in /tmp/pkg
-  python -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/ops tests/models tests/engine 2>&1 | tail -15
+  # -P and --import-mode=append: the repository's own `rimuru/` folder must not shadow the package in /tmp/pkg
+  python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/ops tests/models tests/engine 2>&1 | tail -15
 }
 
 kernels() {
@@ -59,19 +61,16 @@ serve() {
 }
 
 scenario() {
-  local common=(--stream "$STREAM" --rate "$RATE" --gpu-memory-budget "$BUDGET" --router-skew 1.0
-                --max-num-batched-tokens 2048 --quiet "${DUMMY[@]}")
-  [ -f "$MODEL/expert_ranking.json" ] || python tools/cli.py profile "$MODEL" "${DUMMY[@]}" --router-skew 1.0 \
-    --workload "$STREAM" --num-prompts 64 --max-tokens 8 --expert-policy resident > "$OUT/profile.log" 2>&1
-  for run in "resident --expert-policy resident" "fixed8 --expert-policy fixed --offload-per-layer 8" \
-             "elastic8 --expert-policy elastic --expert-offload-limit 8" \
-             "cost8 --expert-policy elastic --expert-offload-limit 8 --adjuster cost"; do
-    set -- $run
-    local name=$1; shift
-    timeout 280 python tools/cli.py bench "$MODEL" "${common[@]}" "$@" --out "$OUT/$name-r$RATE.json" \
-      > "$OUT/$name-r$RATE.log" 2>&1
-    echo "$name rc=$? $(grep -m1 -h output_tokens_per_s "$OUT/$name-r$RATE.log")"
-  done
+  local dir="$OUT/scenario-r$RATE" skew="--router-skew ${SKEW:-1.0}"
+  python tools/bench_sweep.py "$MODEL" --out-dir "$dir" \
+    --common "--stream $STREAM --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]}" \
+    --profile "${DUMMY[*]} $skew --workload $STREAM --num-prompts 64 --max-tokens 8 --expert-policy resident" \
+    --run resident="--expert-policy resident" --run fixed8="--expert-policy fixed --offload-per-layer 8" \
+    --run elastic8="--expert-policy elastic --expert-offload-limit 8" \
+    --run cost8="--expert-policy elastic --expert-offload-limit 8 --adjuster cost"
+  cp "$MODEL/expert_ranking.json" "$dir/" 2>/dev/null
+  for log in "$dir"/*.log; do echo "$(basename "$log") $(grep -m1 -h output_tokens_per_s "$log")"; done
+  tar -czf "$dir.tar.gz" -C "$OUT" "$(basename "$dir")" && rm -r "$dir"  # 8 files at most come back
 }
 
 for job in "$@"; do echo "== $job"; "$job"; done
