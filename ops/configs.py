@@ -23,14 +23,15 @@ def load_table(device_name: str) -> dict:
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def heuristic_moe_config(num_tokens: int, num_experts: int, top_k: int) -> dict:
-    """Small tiles for decode (the GEMMs are weight-bandwidth bound), large ones when experts hold many tokens."""
+def heuristic_moe_config(num_tokens: int, num_experts: int, top_k: int, element_size: int = 2) -> dict:
+    """Small tiles for decode (the GEMMs are weight-bandwidth bound), large ones when experts hold many tokens.
+    fp32 tiles take twice the shared memory: the large one pipelines 2 stages instead of 3 (240 KB > an H200's 227)."""
     tokens_per_expert = num_tokens * top_k / num_experts
     if tokens_per_expert <= 4:
         return {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128, "num_warps": 4, "num_stages": 4}
     if tokens_per_expert <= 32:
         return {"BLOCK_M": 32, "BLOCK_N": 64, "BLOCK_K": 64, "num_warps": 4, "num_stages": 4}
-    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3}
+    return {"BLOCK_M": 64, "BLOCK_N": 128, "BLOCK_K": 64, "num_warps": 8, "num_stages": 3 if element_size <= 2 else 2}
 
 
 def lookup(by_tokens: dict, num_tokens: int) -> dict:
@@ -40,10 +41,11 @@ def lookup(by_tokens: dict, num_tokens: int) -> dict:
     return dict(by_tokens[str(below[-1] if below else tuned[0])])
 
 
-def moe_config(num_tokens: int, num_experts: int, num_features: int, hidden_size: int, top_k: int, device) -> dict:
-    """Tuned config for this GPU and shape if a table has one, else the heuristic."""
-    if torch.device(device).type == "cuda":
+def moe_config(num_tokens: int, num_experts: int, num_features: int, hidden_size: int, top_k: int, device,
+               element_size: int = 2) -> dict:  # fmt: skip
+    """Tuned config for this GPU and shape if a table has one (tuned in bf16), else the heuristic."""
+    if torch.device(device).type == "cuda" and element_size <= 2:
         table = load_table(torch.cuda.get_device_name(device)).get(f"E={num_experts},F={num_features},D={hidden_size}")
         if table:
             return lookup(table, num_tokens)
-    return heuristic_moe_config(num_tokens, num_experts, top_k)
+    return heuristic_moe_config(num_tokens, num_experts, top_k, element_size)

@@ -80,13 +80,15 @@ def _paged_attention_kernel(
     tl.store(p_o, b_out.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_d[None, :])
 
 
-def attention_config(num_tokens: int, num_requests: int, group: int, num_splits: int = 1) -> dict:
-    """Decode-only batches (T == B) take one query a program and long K/V tiles (best of a sweep on an H200),
-    split `num_splits` ways; prefill chunks take enough rows to fill a tile and are never split."""
+def attention_config(num_tokens: int, num_requests: int, group: int, num_splits: int = 1,
+                     element_size: int = 2) -> dict:  # fmt: skip
+    """Decode-only batches (T == B) take one query a program and long K/V tiles (best of a sweep on an H200; half
+    as long in fp32, whose 128-token K and V tiles of 128 dims overflow shared memory), split `num_splits` ways;
+    prefill chunks take enough rows to fill a tile and are never split."""
     group_pad = triton.next_power_of_2(group)
     if num_tokens <= num_requests:
-        return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": 128, "num_warps": 8, "num_stages": 2,
-                "NUM_SPLITS": num_splits}
+        return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": 128 if element_size <= 2 else 64, "num_warps": 8,
+                "num_stages": 2, "NUM_SPLITS": num_splits}
     return {"BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "NUM_SPLITS": 1}
 
 
@@ -100,7 +102,7 @@ def default_config(query, kv_view, page_table, num_requests) -> dict:
     if num_tokens == num_requests:
         max_kv_tokens = page_table.shape[1] * page_tokens
         num_splits = decode_splits(num_requests, num_kv_heads, max_kv_tokens, num_sms(query.device))
-    return attention_config(num_tokens, num_requests, num_heads // num_kv_heads, num_splits)
+    return attention_config(num_tokens, num_requests, num_heads // num_kv_heads, num_splits, query.element_size())
 
 
 def paged_attention_triton(

@@ -154,7 +154,8 @@ def paged_moe_triton(
     if num_tokens == 0:
         return hidden.new_empty(0, hidden_size)
     assert expert_view.stride(1) == 1 and hidden.stride(1) == 1, "pages and hidden rows must be contiguous"
-    cfg = config or moe_config(num_tokens, num_experts, num_features, hidden_size, top_k, hidden.device)
+    cfg = config or moe_config(num_tokens, num_experts, num_features, hidden_size, top_k, hidden.device,
+                               hidden.element_size())  # fmt: skip
     sorted_ids, block_expert, num_padded = align_tokens(topk_ids, num_experts, cfg["BLOCK_M"])
     weights = topk_weights.to(torch.float32).contiguous()
     out = moe_gemms(hidden, expert_view, page_table.to(torch.int32).contiguous(), weights, sorted_ids,

@@ -40,8 +40,7 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 @dataclass
 class _Captured:
     graphs: list  # one torch.cuda.CUDAGraph per piece
-    points: list[RoutingPoint]  # static tensors the hook reads after graph i
-    logits: torch.Tensor  # [size, V] the last graph's output
+    points: list[RoutingPoint]  # what the hook reads after graph i: views of the shared point buffers
 
 
 class DecodeGraphs:
@@ -60,6 +59,12 @@ class DecodeGraphs:
         self.kv_page_tables = torch.full((num_layers, top, max_pages), scratch_page, dtype=torch.int32, device=dev)
         self.slot_mappings = torch.full((num_layers, top), scratch_page * self.page_tokens, dtype=torch.int64,
                                         device=dev)  # fmt: skip
+        # NOTE: every size's graphs write their outputs into these shared buffers (the last piece also converts the
+        # logits to fp32, which the sampler does anyway): outputs kept per size would hold 1.8 GB of a 30 GiB budget
+        # for Qwen1.5-MoE (35 sizes x (logits + router inputs)). Each step reads them before the next replay.
+        self.logits: torch.Tensor | None = None  # [size, V] fp32
+        self.point_hidden: torch.Tensor | None = None  # [MoE layers, size, D]
+        self.point_ids: torch.Tensor | None = None  # [MoE layers, size, K]
         self.captured: dict[int, _Captured] = {}
 
     def holds(self, num_requests: int) -> bool:
@@ -75,6 +80,7 @@ class DecodeGraphs:
         """Warm up and capture every size, largest first, into one memory pool (a no-op without `capture`)."""
         if not self.capture:
             return
+        self._allocate_outputs()
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.kv_view.device)
         for size in reversed(self.batch_sizes):
             self._write_padding(0, size)
@@ -85,6 +91,14 @@ class DecodeGraphs:
             torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
+    def _allocate_outputs(self) -> None:
+        config, top = self.model.config, self.batch_sizes[-1]
+        dtype, dev = self.model.lm_head.weight.dtype, self.kv_view.device
+        num_moe = len(config.moe_layer_ids)
+        self.logits = torch.empty(top, config.vocab_size, dtype=torch.float32, device=dev)
+        self.point_hidden = torch.empty(num_moe, top, config.hidden_size, dtype=dtype, device=dev)
+        self.point_ids = torch.empty(num_moe, top, config.num_experts_per_tok, dtype=torch.int64, device=dev)
+
     def _capture(self, size: int, pool) -> _Captured:
         # NOTE: capture_begin/end rather than `torch.cuda.graph`, which collects garbage around each of the
         # (sizes x MoE layers) captures.
@@ -94,15 +108,23 @@ class DecodeGraphs:
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=pool)
             try:
-                point, logits = next(pieces), None
+                point = self._store_point(len(points), size, next(pieces))
             except StopIteration as done:
-                point, logits = None, done.value
+                point = None
+                self.logits[:size].copy_(done.value)
             finally:
                 graph.capture_end()
             graphs.append(graph)
             if point is None:
-                return _Captured(graphs, points, logits)
+                return _Captured(graphs, points)
             points.append(point)
+
+    def _store_point(self, index: int, size: int, point: RoutingPoint) -> RoutingPoint:
+        """Copy a routing point into the shared buffers (inside the capture); the hook reads the copies."""
+        hidden, topk_ids = self.point_hidden[index, :size], self.point_ids[index, :size]
+        hidden.copy_(point.hidden)
+        topk_ids.copy_(point.topk_ids)
+        return RoutingPoint(point.layer_idx, hidden, topk_ids)
 
     # ---- a step ------------------------------------------------------------------------------------------------
 
@@ -125,7 +147,7 @@ class DecodeGraphs:
             graph.replay()
             if point is not None and hook is not None:
                 hook(*point)
-        return captured.logits[:num_requests]
+        return self.logits[:num_requests]
 
     def _write_inputs(self, inputs) -> None:
         num_requests, num_pages = inputs.kv_page_tables.shape[1:]
