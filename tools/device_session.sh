@@ -27,7 +27,9 @@ DUMMY=()
 
 gputests() {
   # -P and --import-mode=append: the repository's own `rimuru/` folder must not shadow the package in /tmp/pkg
-  python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/ops tests/models tests/engine 2>&1 | tail -15
+  python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/ops tests/models tests/engine \
+    > "$OUT/gputests.log" 2>&1
+  tail -15 "$OUT/gputests.log"
 }
 
 kernels() {
