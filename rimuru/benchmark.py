@@ -107,6 +107,7 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
         "bytes_copied": experts["bytes_copied"] - before["bytes_copied"],
         "prefetch_hit_rate": round(experts["prefetch_hits"] / lookups, 4) if lookups else None,
         "hook_seconds": round(experts["hook_seconds"], 3),
+        "routing_wait_seconds": round(experts["routing_wait_seconds"], 3),  # of it, the GPU finishing layers
         "peak_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
         "series": series,
     }

@@ -17,7 +17,6 @@ when nothing is offloaded: no host sync); `observers` see every routing too.
 """
 
 import time
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -38,6 +37,7 @@ class ExpertStats:
     prefetch_misses: int = 0  # routed host experts copied on demand
     bytes_copied: int = 0
     hook_seconds: float = 0.0  # host time inside on_routing: waiting for routing results and copies, predicting
+    routing_wait_seconds: float = 0.0  # of it, waiting for the GPU to finish the layer up to its router
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -141,12 +141,28 @@ class ExpertManager:
             self._publish(*key)
         row = self.working_tables[layer]  # [E, 3]
         row.copy_(self.store.page_tables[layer])
-        if self.store.offloaded[layer]:  # a layer with every expert resident needs no host sync
-            routed = set(torch.unique(topk_ids).tolist())  # waits for the router
+        next_layer = self.next_layer.get(layer) if self.predict else None
+        if next_layer is not None and not self.store.offloaded[next_layer]:
+            next_layer = None  # nothing of the next layer to prefetch
+        if self.store.offloaded[layer] or next_layer is not None:  # with nothing on the host, no host sync
+            routed, votes = self._routing_on_host(hidden, topk_ids, next_layer)
             self._load_routed(layer, routed & self.store.offloaded[layer], row)
-        if self.predict and layer in self.next_layer:
-            self._prefetch(self.next_layer[layer], hidden)
+            if next_layer is not None:
+                self._prefetch(next_layer, votes)
         self.stats.hook_seconds += time.perf_counter() - start
+
+    def _routing_on_host(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+                         next_layer: int | None) -> tuple[set[int], list[int]]:  # fmt: skip
+        """The experts routed here, and each expert's votes for `next_layer` (its router applied to this layer's
+        input, the Fate idea), fetched in one device-to-host copy: the hook's only wait for the GPU."""
+        counts = [_expert_counts(topk_ids, self.store.num_experts)]  # [E]
+        if next_layer is not None:
+            logits = hidden.float() @ self.routers[next_layer].float().T  # [T, E]
+            counts.append(_expert_counts(torch.topk(logits, self.top_k, dim=-1).indices, self.store.num_experts))
+        wait = time.perf_counter()
+        host = torch.stack(counts).tolist()  # waits for the router
+        self.stats.routing_wait_seconds += time.perf_counter() - wait
+        return {e for e, n in enumerate(host[0]) if n}, host[-1]
 
     def _load_routed(self, layer: int, on_host: set[int], row: torch.Tensor) -> None:
         if not on_host:
@@ -164,18 +180,15 @@ class ExpertManager:
             buffer.experts[expert] = slot
         self.stats.prefetch_hits += len(hits)
         self.stats.prefetch_misses += len(on_host) - len(hits)
-        for expert in on_host:
-            row[expert] = torch.tensor(buffer.slots[buffer.experts[expert]], dtype=torch.int32)
+        experts = sorted(on_host)
+        row[experts] = torch.tensor([buffer.slots[buffer.experts[e]] for e in experts], dtype=torch.int32)
 
-    def _prefetch(self, layer: int, hidden: torch.Tensor) -> None:
-        """Copy the next layer's predicted host experts into its buffer on the side stream."""
-        on_host = self.store.offloaded[layer]
-        if not on_host:
-            return
+    def _prefetch(self, layer: int, votes: list[int]) -> None:
+        """Copy `layer`'s host experts with the most predicted tokens (`votes` [E]) into its buffer on the side
+        stream."""
         buffer = self.buffers[self.ordinal[layer] % 2]
-        logits = hidden.float() @ self.routers[layer].float().T  # [T, E]
-        votes = Counter(torch.topk(logits, self.top_k, dim=-1).indices.flatten().tolist())
-        predicted = sorted((e for e in votes if e in on_host), key=lambda e: (-votes[e], e))[: len(buffer.slots)]
+        on_host = self.store.offloaded[layer]
+        predicted = sorted((e for e in on_host if votes[e]), key=lambda e: (-votes[e], e))[: len(buffer.slots)]
         last_reader = self.copier.compute_mark()  # the previous layer's kernel, queued before this hook
         buffer.layer, buffer.experts, buffer.ready = layer, {}, None
         for slot, expert in enumerate(predicted):
@@ -183,3 +196,10 @@ class ExpertManager:
             buffer.ready = self.copier.copy(buffer.slots[slot], self.store.host[layer].matrices(expert), after=last_reader)
             last_reader = None
         self.stats.prefetched += len(predicted)
+
+
+def _expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:  # topk_ids [T, K] -> [E] int32
+    """Tokens routed to each expert, on the device (`torch.bincount` would wait for the GPU to size its output)."""
+    ids = topk_ids.flatten()
+    ones = torch.ones_like(ids, dtype=torch.int32)
+    return torch.zeros(num_experts, dtype=torch.int32, device=ids.device).index_add_(0, ids, ones)

@@ -68,8 +68,10 @@ class ModelRunner:
                 logits_indices.append(starts[-1] - 1)
         positions_t = torch.tensor(positions, dtype=torch.int64)  # [T]
         slots_t = torch.tensor(slots, dtype=torch.int64)  # [B]
-        counts = torch.tensor(batch.num_new_tokens, dtype=torch.int64)  # [B]
-        token_slots = torch.repeat_interleave(slots_t, counts)  # [T]
+        if len(positions) == len(slots):  # one token a request (decode): no repeat needed
+            token_slots = slots_t  # [T]
+        else:
+            token_slots = torch.repeat_interleave(slots_t, torch.tensor(batch.num_new_tokens))  # [T]
         page_tokens = self.kv_cache.page_tokens
         tables = self.kv_cache.tables  # [L, slots, P]
         pages = tables[:, token_slots, positions_t // page_tokens].long()  # [L, T]
