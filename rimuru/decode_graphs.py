@@ -23,6 +23,7 @@ that to check the padding and the hook on the CPU.
 from dataclasses import dataclass
 
 import torch
+from tqdm import tqdm
 
 from rimuru.models import ForwardContext, QwenMoeForCausalLM
 from rimuru.models.pieces import RoutingPoint, run_pieces
@@ -76,13 +77,15 @@ class DecodeGraphs:
     # ---- capture -----------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def capture_all(self) -> None:
+    def capture_all(self, progress: bool = False) -> None:
         """Warm up and capture every size, largest first, into one memory pool (a no-op without `capture`)."""
         if not self.capture:
             return
         self._allocate_outputs()
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.kv_view.device)
-        for size in reversed(self.batch_sizes):
+        sizes = tqdm(reversed(self.batch_sizes), total=len(self.batch_sizes), desc="Capturing decode CUDA graphs",
+                     unit="size", disable=not progress)  # fmt: skip
+        for size in sizes:
             self._write_padding(0, size)
             run_pieces(self.model.steps(self.input_ids[:size], self._context(size)), None)  # compiles the kernels
             stream.wait_stream(torch.cuda.current_stream())

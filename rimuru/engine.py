@@ -86,7 +86,7 @@ class Engine:
                               self.expert_manager.working_tables, self.kv_cache.max_pages, self._graph_scratch_page,
                               sizes, capture=self.device.type == "cuda")  # fmt: skip
         start = time.perf_counter()
-        graphs.capture_all()
+        graphs.capture_all(self.config.progress)
         if graphs.capture:
             logger.info("captured decode CUDA graphs for %d batch sizes up to %d in %.1f s",
                         len(sizes), sizes[-1], time.perf_counter() - start)  # fmt: skip
