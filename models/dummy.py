@@ -21,6 +21,12 @@ state collapses onto the same direction after a few layers and all tokens pick t
   After the RMSNorm the sink coordinate is about sqrt(D / 2), so expert e's router logit gets about
   `-s * log(rank[e] + 1)`: on top of the token-dependent logits (std ~1), its odds against the favourite fall
   like `(rank + 1) ** -s`. s = 0 adds no sink and leaves the weights as above.
+
+`router_regimes` (R > 1, with a skew) gives popularity that follows the tokens, for distribution-shift runs: the
+vocabulary is cut into R contiguous parts (`regime_rows`), a token of part r carries its sink in dimension r, and
+each MoE layer draws R rankings, one per router column 0..R-1. The LM head gets `REGIME_LOGIT` for the tokens of
+the input's own part, so decoding stays in the part its prompt came from: a stream whose prompts move to another
+part (tools/shift_stream.py) moves every layer's popular experts with them.
 """
 
 import math
@@ -72,22 +78,38 @@ def dummy_experts(config: ModelConfig, device, dtype, seed: int) -> dict[int, Ex
     return experts
 
 
-def apply_router_skew(state: dict, experts: dict[int, ExpertWeights], config: ModelConfig, skew: float, seed: int):
-    """The sink dimension and per-layer ranked router column described in the module docstring; in place."""
+REGIME_LOGIT = 8.0  # with several regimes, how much more likely the LM head makes a token of the input's own part
+
+
+def regime_rows(vocab_size: int, regimes: int) -> list[slice]:
+    """The vocabulary cut into `regimes` contiguous parts, each routed by its own expert ranking."""
+    return [slice(r * vocab_size // regimes, (r + 1) * vocab_size // regimes) for r in range(regimes)]
+
+
+def apply_router_skew(state: dict, experts: dict[int, ExpertWeights], config: ModelConfig, skew: float, seed: int,
+                      regimes: int = 1):  # fmt: skip
+    """The sink dimensions and per-layer ranked router columns described in the module docstring; in place."""
     sqrt_d = math.sqrt(config.hidden_size)
-    state["model.embed_tokens.weight"][:, 0] = sqrt_d
+    embed = state["model.embed_tokens.weight"]  # [V, D]
+    embed[:, :regimes] = 0.0
+    for r, rows in enumerate(regime_rows(config.vocab_size, regimes)):
+        embed[rows, r] = sqrt_d
     if "lm_head.weight" in state and not config.tie_word_embeddings:
-        state["lm_head.weight"][:, 0] = 0.0
+        lm_head = state["lm_head.weight"]  # [V, D]
+        lm_head[:, :regimes] = 0.0
+        for r, rows in enumerate(regime_rows(config.vocab_size, regimes) if regimes > 1 else []):
+            lm_head[rows, r] = REGIME_LOGIT / math.sqrt(config.hidden_size / 2)  # the normed sink is ~sqrt(D / 2)
     for name, tensor in state.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
-            tensor[0, :] = 0.0
+            tensor[:regimes, :] = 0.0
         elif name.endswith("o_proj.bias"):
-            tensor[0] = 0.0
+            tensor[:regimes] = 0.0
     for weights in experts.values():
-        weights.down[:, 0, :] = 0.0
+        weights.down[:, :regimes, :] = 0.0
     gen = torch.Generator().manual_seed(seed + 2)
     for layer_idx in config.moe_layer_ids:
-        rank = torch.randperm(config.num_experts, generator=gen)  # [E]: rank of expert e
-        column = -skew * torch.log(rank.double() + 1.0) / math.sqrt(config.hidden_size / 2)  # [E]
         router = state[f"model.layers.{layer_idx}.mlp.gate.weight"]  # [E, D]
-        router[:, 0] = column.to(router.device, router.dtype)
+        for r in range(regimes):
+            rank = torch.randperm(config.num_experts, generator=gen)  # [E]: rank of expert e in regime r
+            column = -skew * torch.log(rank.double() + 1.0) / math.sqrt(config.hidden_size / 2)  # [E]
+            router[:, r] = column.to(router.device, router.dtype)

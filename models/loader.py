@@ -40,11 +40,12 @@ def from_pretrained(
     router_skew: float = 0.0,
     progress: bool = True,
     seed: int = 0,
+    router_regimes: int = 1,
 ) -> LoadedModel:
     """Load a qwen2_moe / qwen3_moe checkpoint from a folder or a Hugging Face repo id.
 
     dtype: defaults to the config's torch_dtype. load_format "auto" reads safetensors; "dummy" reads only
-    config.json and draws random weights (see `rimuru.models.dummy`, which also documents `router_skew`).
+    config.json and draws random weights (see `rimuru.models.dummy`, which also documents `router_skew` and `router_regimes`).
     Routed experts end up in `LoadedModel.experts`, never in the module. A repo id is looked up in the Hugging
     Face cache only when HF_HUB_OFFLINE is set.
     """
@@ -59,7 +60,7 @@ def from_pretrained(
     if load_format == "dummy":
         state, experts = dummy_state(model, config, device, dtype, seed), dummy_experts(config, device, dtype, seed)
         if router_skew > 0:
-            apply_router_skew(state, experts, config, router_skew, seed)
+            apply_router_skew(state, experts, config, router_skew, seed, router_regimes)
     elif load_format == "auto":
         state, experts = _read_checkpoint(model, config, folder, device, dtype, progress)
     else:

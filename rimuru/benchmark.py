@@ -73,6 +73,8 @@ def _sample(engine: Engine, now: float, num_tokens: int) -> dict:
         "free_expert_pages": stats["free_expert_pages"],
         "trapped_kv_pages": stats["kv_trapped_pages"],
         "offloaded_experts": engine.experts.num_offloaded,
+        "prefetch_hits": engine.expert_manager.stats.prefetch_hits,  # cumulative: hit rate over time
+        "prefetch_misses": engine.expert_manager.stats.prefetch_misses,
     }
 
 

@@ -33,6 +33,7 @@ class EngineConfig:
     gpu_memory_budget: int | str | None = None  # bytes the engine may take on the device: weights, pool, activations
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
     router_skew: float = 0.0  # dummy weights only: see rimuru.models.dummy
+    router_regimes: int = 1  # dummy weights with a skew: vocabulary parts routed by their own rankings
     max_num_seqs: int = 256  # requests in one batch
     max_num_batched_tokens: int = 8192  # tokens in one forward pass (prefill chunks + decodes)
     max_model_len: int | None = None  # None: the model's max_position_embeddings
@@ -72,7 +73,7 @@ class EngineConfig:
         max_model_len = self.max_model_len or max_position_embeddings
         if max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {max_position_embeddings}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_tokens"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_tokens", "router_regimes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.load_format not in ("auto", "dummy"):

@@ -45,7 +45,7 @@ class Engine:
         self.config = config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
         self.device = torch.device(config.device)
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
-                                      config.progress, config.seed)  # fmt: skip
+                                      config.progress, config.seed, config.router_regimes)  # fmt: skip
         self.model_config = self.loaded.config
         self._build_pool()
         self._place_experts(folder)

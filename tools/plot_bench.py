@@ -1,5 +1,5 @@
-"""PNG plots from `rimuru bench` records: concurrency over time, the pool split over time, and throughput / TTFT
-against request rate, one line per label.
+"""PNG plots from `rimuru bench` records: concurrency over time, the pool split over time, the prefetch hit rate
+over time, and throughput / TTFT against request rate, one line per label.
 
     python tools/plot_bench.py OUT_DIR resident=r5.json elastic=e5.json ...   (a label may repeat across rates)
 """
@@ -51,6 +51,24 @@ def plot_pool_split(records, out_dir: str) -> list[str]:
     return paths
 
 
+def plot_hit_rate(records, out_dir: str) -> str:
+    """Prefetch hit rate in windows of 1/50 of each run (records with host experts; older records lack it)."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, record in records:
+        series = [s for s in record["series"] if "prefetch_hits" in s]
+        width = max(1, len(series) // 50)
+        points = []
+        for start, end in zip(series[::width], series[width::width]):
+            hits, misses = end["prefetch_hits"] - start["prefetch_hits"], end["prefetch_misses"] - start["prefetch_misses"]
+            if hits + misses:
+                points.append((end["t"], hits / (hits + misses)))
+        if points:
+            ax.plot(*zip(*points), label=f"{label} (rate {record.get('rate')})")
+    ax.set(xlabel="seconds", ylabel="prefetch hit rate", title="Routed host experts found prefetched", ylim=(0, 1))
+    ax.legend(fontsize=7)
+    return _save(fig, out_dir, "hit-rate.png")
+
+
 def plot_against_rate(records, out_dir: str) -> str:
     """Throughput and mean TTFT per label against the request rate; all-at-once (rate 0) sits at 2x the top rate."""
     finite = [r.get("rate") for _, r in records if r.get("rate")]
@@ -85,7 +103,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     os.makedirs(args.out_dir, exist_ok=True)
     records = load(args.records)
     paths = [plot_concurrency(records, args.out_dir), *plot_pool_split(records, args.out_dir)]
-    paths.append(plot_against_rate(records, args.out_dir))
+    paths += [plot_hit_rate(records, args.out_dir), plot_against_rate(records, args.out_dir)]
     print("\n".join(paths))
     return paths
 

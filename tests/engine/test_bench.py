@@ -11,6 +11,7 @@ from tests.engine.test_experts import budget_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import plot_bench  # noqa: E402
+import shift_stream  # noqa: E402
 
 
 def write_stream(path: Path, num: int, vocab_size: int) -> list[dict]:
@@ -41,5 +42,17 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
         assert sum(s["tokens"] for s in record["series"]) == record["output_tokens"]
     elastic = records[("elastic", "0")]
     assert elastic["evictions"] > 0 and elastic["bytes_copied"] > 0 and elastic["prefetch_hit_rate"] is not None
+    last = elastic["series"][-1]  # the series counts cumulatively what the record sums up
+    assert round(last["prefetch_hits"] / (last["prefetch_hits"] + last["prefetch_misses"]), 4) == elastic["prefetch_hit_rate"]
     paths = plot_bench.main([str(tmp_path / "plots")] + [f"{p}={tmp_path / f'{p}-{r}.json'}" for p, r in records])
-    assert len(paths) == 5 and all(Path(p).stat().st_size > 10_000 for p in paths)
+    assert len(paths) == 6 and all(Path(p).stat().st_size > 10_000 for p in paths)
+
+
+def test_shift_stream_moves_the_second_half_of_the_arrivals_to_the_other_part(tmp_path):
+    requests = write_stream(tmp_path / "stream.jsonl", 9, 5000)[::-1]  # arrival order is restored
+    shifted = shift_stream.shift(requests, vocab_size=1000)
+    assert [r["id"] for r in shifted] == [f"req-{i}" for i in range(9)]
+    for i, (before, after) in enumerate(zip(sorted(requests, key=lambda r: r["arrival"]), shifted)):
+        low, high = (0, 500) if i < 4 else (500, 1000)
+        assert len(after["prompt_token_ids"]) == len(before["prompt_token_ids"])
+        assert all(low <= t < high for t in after["prompt_token_ids"])

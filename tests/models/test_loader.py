@@ -163,3 +163,30 @@ def test_router_skew_concentrates_routing(tmp_path):
         shares[skew] = (counts.max() / counts.sum()).item()
     print(shares)
     assert shares[2.0] > 0.3 > shares[0.0]
+
+
+def test_router_regimes_move_popularity_with_the_tokens(tmp_path):
+    """Two regimes: prompts from either half of the vocabulary favour different experts in every layer, and the
+    model's next token stays in its prompt's half (so decoding keeps the regime)."""
+    from rimuru.models.dummy import regime_rows
+
+    config = tiny_config("qwen3_moe") | {"num_experts": 16}
+    json.dump(config, open(tmp_path / "config.json", "w"))
+    loaded = from_pretrained(tmp_path, load_format="dummy", router_skew=2.0, router_regimes=2, dtype=torch.float32)
+    halves = regime_rows(config["vocab_size"], 2)
+    gen = torch.Generator().manual_seed(0)
+    favourites, next_tokens = [], []
+    for half in halves:
+        counts = torch.zeros(config["num_hidden_layers"], 16)
+
+        def count(layer_idx, hidden, topk_ids, counts=counts):
+            counts[layer_idx] += torch.bincount(topk_ids[:, 0], minlength=16).float()
+
+        prompt = torch.randint(half.start, half.stop, (200,), generator=gen).tolist()
+        logits = ResidentRunner(loaded, max_requests=1, max_pages=64, on_routing=count).step({0: prompt})
+        moe = counts[loaded.config.moe_layer_ids]  # [L, E]
+        assert (moe.max(1).values / moe.sum(1) > 0.3).all()  # skewed within the regime
+        favourites.append(moe.argmax(1))
+        next_tokens.append(int(logits[-1].argmax()))
+    assert (favourites[0] != favourites[1]).any()  # the favourites move with the tokens
+    assert all(half.start <= token < half.stop for half, token in zip(halves, next_tokens))
