@@ -36,6 +36,9 @@ def plan_adjustment(short_pages: int, free_pages: int, t: AdjusterThresholds = A
 class ChangeList:
     evict: list[tuple[int, int]] = field(default_factory=list)  # (layer, expert), coldest first
     add: list[tuple[int, int]] = field(default_factory=list)  # (layer, expert), hottest first
+    # (layer, resident expert out, host expert in): after the pass the one leaves and the other is copied into its
+    # pages, so the pool split stays as it is (the cost adjuster's answer to a shifted workload)
+    swap: list[tuple[int, int, int]] = field(default_factory=list)
 
 
 class Adjuster:

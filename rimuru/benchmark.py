@@ -106,6 +106,7 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
         "preemptions": engine.scheduler.num_preemptions,
         "evictions": experts["evictions"],
         "additions": experts["additions"],
+        "swaps": experts["swaps"],
         "bytes_copied": experts["bytes_copied"] - before["bytes_copied"],
         "prefetch_hit_rate": round(experts["prefetch_hits"] / lookups, 4) if lookups else None,
         "hook_seconds": round(experts["hook_seconds"], 3),

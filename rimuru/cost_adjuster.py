@@ -7,6 +7,9 @@ Pure functions of measured inputs decide the counts (tested on hand-computed cas
 - `plan_cost_adjustment`: short of pages -> evict what is needed, capped by the affordable count unless forced
   (a TTFT target missed, or nothing else can free pages); not short and free pages above the threshold for
   `grow_after_rounds` rounds in a row -> add back; otherwise nothing. There is no precautionary eviction.
+- `plan_swaps`: in a round that neither evicts nor adds, host experts whose online share has grown past
+  `swap_margin` x a resident expert's of the same layer replace it (the pool split does not move), so the
+  placement follows a shifted workload instead of the ranking it started from.
 
 `CostAdjuster` is the thin stateful part: the live measurements (`CostModel`), online popularity
 (`ExpertPopularity`, which also orders nominations), hysteresis (an evicted expert stays out for
@@ -33,6 +36,8 @@ class CostThresholds:
     max_add_per_round: int = 5
     cushion_pages: int = 1
     pages_per_expert: int = 3
+    swap_margin: float = 2.0  # a host expert replaces its layer's coldest resident one once its share is this x larger
+    max_swaps_per_round: int = 2  # each swap copies one expert in
 
 
 def affordable_evictions(base_copy_s: float, marginal_copy_s: Sequence[float], compute_s: float, ratio: float) -> int:
@@ -59,6 +64,24 @@ def plan_cost_adjustment(short_pages: int, free_pages: int, affordable: int, for
     return 0, 0
 
 
+def plan_swaps(host_shares: dict[int, dict[int, float]], resident_shares: dict[int, dict[int, float]],
+               margin: float, max_swaps: int) -> list[tuple[int, int, int]]:  # fmt: skip
+    """(layer, resident expert out, host expert in), largest gain in share first: in each layer the hottest host
+    experts are paired with the coldest resident ones while a host share is above `margin` x its partner's.
+    Host 0.3 vs resident 0.1, margin 2 -> swap; 0.15 vs 0.1 -> no swap. Pure."""
+    candidates = []
+    for layer, on_host in host_shares.items():
+        hot = sorted(on_host, key=lambda e: (-on_host[e], e))
+        resident = resident_shares.get(layer, {})
+        cold = sorted(resident, key=lambda e: (resident[e], e))
+        for expert_in, expert_out in zip(hot, cold):
+            if on_host[expert_in] <= margin * resident[expert_out]:
+                break
+            candidates.append((on_host[expert_in] - resident[expert_out], layer, expert_out, expert_in))
+    candidates.sort(key=lambda c: (-c[0], c[1:]))
+    return [c[1:] for c in candidates[:max_swaps]]
+
+
 class CostAdjuster:
     def __init__(self, popularity: ExpertPopularity, offload_limit: int, store, top_k: int,
                  thresholds: CostThresholds = CostThresholds(), cost: CostModel | None = None,
@@ -72,6 +95,7 @@ class CostAdjuster:
         self.refresh_every = refresh_every  # rounds between popularity flushes and estimate refreshes (host work)
         self._unflushed = 0  # steps counted on the device since the last flush
         self.evicted_at: dict[tuple[int, int], int] = {}  # (layer, expert) -> round of its last eviction
+        self.swapped_in_at: dict[tuple[int, int], int] = {}  # (layer, expert) -> round it was swapped in
         self.free_rounds = 0  # rounds in a row not short and above `grow_above_free`
         self.first_waiting: dict[str, float] = {}  # request id -> when first seen waiting
         self.oldest_wait_s = 0.0
@@ -110,14 +134,34 @@ class CostAdjuster:
             changes.add = self.nominator.nominate_additions(num_add, cooled)
         if changes.add:
             self.free_rounds = 0  # NOTE: the next growth waits for the pages to stay free again
-        for key in changes.evict:
+        elif short_pages == 0 and not changes.evict and self._unflushed == 0:  # shares are fresh after a flush
+            changes.swap = self._swaps(offloaded)
+        for key in changes.evict + [(layer, out) for layer, out, _ in changes.swap]:
             self.evicted_at[key] = self.round
+        for layer, _, expert_in in changes.swap:
+            self.swapped_in_at[(layer, expert_in)] = self.round
         self._affordable = max(0, self._affordable - len(changes.evict))  # NOTE: stays true until the next refresh
         return changes
 
     def _cooling(self, layer: int, expert: int) -> bool:
         evicted = self.evicted_at.get((layer, expert))
         return evicted is not None and self.round - evicted < self.thresholds.readd_after_rounds
+
+    def _swaps(self, offloaded: dict[int, set[int]]) -> list[tuple[int, int, int]]:
+        """Host experts that became hotter than resident ones (online popularity), outside their cooling time: an
+        expert swapped in or out stays put for `readd_after_rounds` rounds, so a swap never bounces."""
+        t, share = self.thresholds, self.popularity.probabilities
+        settled = self.thresholds.readd_after_rounds
+
+        def movable(layer: int, expert: int) -> bool:
+            swapped = self.swapped_in_at.get((layer, expert))
+            return not self._cooling(layer, expert) and (swapped is None or self.round - swapped >= settled)
+
+        host = {layer: {e: share(layer)[e] for e in experts if movable(layer, e)}
+                for layer, experts in offloaded.items() if experts}  # fmt: skip
+        resident = {layer: {e: share(layer)[e] for e in range(self.popularity.num_experts)
+                            if e not in offloaded[layer] and movable(layer, e)} for layer in host}  # fmt: skip
+        return plan_swaps(host, resident, t.swap_margin, t.max_swaps_per_round)
 
     # ---- after the forward pass --------------------------------------------------------------------------------
 

@@ -3,7 +3,8 @@
 
 Between passes: `begin_step` reserves pages for added experts and starts their copies on the side stream;
 `end_step` publishes additions whose copies have not been published yet and applies evictions, so an evicted
-expert stays readable for the whole pass and its pages serve the next round.
+expert stays readable for the whole pass and its pages serve the next round; a swap evicts one expert there and
+copies its replacement into the freed pages, published like an addition once the copy is done.
 
 Inside a pass, `on_routing` runs before each MoE layer's kernel:
   1. the layer's working page table = the resident table, plus finished additions (event wait first);
@@ -31,7 +32,8 @@ from rimuru.popularity import ExpertPopularity
 @dataclass
 class ExpertStats:
     evictions: int = 0
-    additions: int = 0
+    additions: int = 0  # published additions, swapped-in experts included
+    swaps: int = 0  # resident experts replaced by hotter host ones (their pages reused)
     prefetched: int = 0  # experts copied ahead on a prediction
     prefetch_hits: int = 0  # routed host experts found prefetched
     prefetch_misses: int = 0  # routed host experts copied on demand
@@ -65,6 +67,7 @@ class ExpertManager:
         self.working_tables = store.page_tables.clone()  # [L, E, 3] what the kernels read this pass
         self.pending_add: dict[tuple[int, int], tuple[list[int], object]] = {}  # (layer, expert) -> (pages, event)
         self.pending_evict: list[tuple[int, int]] = []
+        self.pending_swap: list[tuple[int, int, int]] = []
         self.stats = ExpertStats()
         # called with (layer, router input [T, D], topk_ids [T, K]) at every MoE routing of every pass, eager or
         # CUDA graph, with the batch's rows only (rimuru.profiler)
@@ -114,16 +117,29 @@ class ExpertManager:
             event = self.copier.copy(page_ids, self.store.host[layer].matrices(expert))
             self.pending_add[(layer, expert)] = (page_ids, event)
         self.pending_evict = list(changes.evict)
+        self.pending_swap = list(changes.swap)
 
     def end_step(self) -> None:
-        """After the pass: publish what is still pending, then evict (their pages serve the next round)."""
+        """After the pass: publish what is still pending, then evict (their pages serve the next round), then swap:
+        each swapped-in expert is copied into pages just freed, after the pass, and published during the next."""
         for key in list(self.pending_add):
             self._publish(*key)
         for layer, expert in self.pending_evict:
             self.store.evict(layer, expert)
         self.stats.evictions += len(self.pending_evict)
         self.pending_evict = []
+        for swap in self.pending_swap:
+            self._swap(*swap)
+        self.pending_swap = []
         self.stats.bytes_copied = self.copier.bytes_copied
+
+    def _swap(self, layer: int, expert_out: int, expert_in: int) -> None:
+        self.store.evict(layer, expert_out)
+        page_ids = self.store.reserve(layer, expert_in)  # NOTE: never None: three expert pages were just freed
+        last_reader = self.copier.compute_mark()  # the pass that read the evicted expert's pages
+        event = self.copier.copy(page_ids, self.store.host[layer].matrices(expert_in), after=last_reader)
+        self.pending_add[(layer, expert_in)] = (page_ids, event)
+        self.stats.swaps += 1
 
     def _publish(self, layer: int, expert: int) -> None:
         page_ids, event = self.pending_add.pop((layer, expert))

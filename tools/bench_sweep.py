@@ -5,7 +5,8 @@ longer to load than some runs take to finish).
         --run resident="--expert-policy resident" --run fixed8="--expert-policy fixed --offload-per-layer 8"
 
 Each run is `rimuru bench MODEL <common> <its flags> --out OUT/<name>.json`, with its output in OUT/<name>.log.
-`--profile "<flags>"` first writes MODEL/expert_ranking.json with `rimuru profile MODEL <flags>` when there is none.
+`--profile "<flags>"` first writes the ranking (`--ranking`, default MODEL/expert_ranking.json) with
+`rimuru profile MODEL <flags>` when there is none, and every run then reads that ranking.
 """
 
 import argparse
@@ -40,16 +41,19 @@ def main() -> None:
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--common", default="", help="flags every run gets")
     parser.add_argument("--run", action="append", default=[], metavar="NAME=FLAGS", help="one run; repeatable")
-    parser.add_argument("--profile", default=None, help="flags of `rimuru profile` when MODEL has no ranking")
+    parser.add_argument("--profile", default=None, help="flags of `rimuru profile` when the ranking is missing")
+    parser.add_argument("--ranking", default=None, help="expert_ranking.json to write and read (default: MODEL's)")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     rimuru.engine.from_pretrained = functools.lru_cache(maxsize=1)(rimuru.engine.from_pretrained)
-    if args.profile is not None and not os.path.exists(os.path.join(args.model, "expert_ranking.json")):
-        run("profile", ["profile", args.model, *shlex.split(args.profile)], args.out_dir)
+    ranking = args.ranking or os.path.join(args.model, "expert_ranking.json")
+    if args.profile is not None and not os.path.exists(ranking):
+        run("profile", ["profile", args.model, *shlex.split(args.profile), "--output", ranking], args.out_dir)
+    common = [*shlex.split(args.common), *(["--expert-ranking", ranking] if os.path.exists(ranking) else [])]
     for spec in args.run:
         name, _, flags = spec.partition("=")
         out = os.path.join(args.out_dir, f"{name}.json")
-        run(name, ["bench", args.model, *shlex.split(args.common), *shlex.split(flags), "--out", out], args.out_dir)
+        run(name, ["bench", args.model, *common, *shlex.split(flags), "--out", out], args.out_dir)
 
 
 if __name__ == "__main__":

@@ -16,6 +16,9 @@
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
 #   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE,
 #             one process (tools/bench_sweep.py); records and logs in $OUT/scenario-r$RATE.tar.gz
+#   shift     the same with a stream whose prompts move to the other half of the vocabulary halfway
+#             (tools/shift_stream.py, dummy weights with --router-regimes 2, ranking profiled on the first half):
+#             fixed-8, elastic-8 and cost-8 (whose swaps follow the shift); $OUT/shift-r$RATE.tar.gz
 set -u
 OUT=${OUT:-/tmp/out} MODEL=${MODEL:-.bench/qwen1.5-moe-a2.7b} STREAM=${STREAM:-.bench/stream-200-r0.jsonl}
 RATE=${RATE:-0} BUDGET=${BUDGET:-30GiB} SERVE_STREAM=${SERVE_STREAM:-.bench/stream-100-r10.jsonl}
@@ -75,4 +78,21 @@ scenario() {
   tar -czf "$dir.tar.gz" -C "$OUT" "$(basename "$dir")" && rm -r "$dir"  # 8 files at most come back
 }
 
-for job in "$@"; do echo "== $job"; "$job"; done
+shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjuster issue
+  local dir="$OUT/shift-r$RATE" skew="--router-skew ${SKEW:-1.0} --router-regimes 2" shifted=.bench/stream-shift.jsonl
+  local vocab; vocab=$(python -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
+  python tools/shift_stream.py "$STREAM" --vocab-size "$vocab" > "$shifted"
+  python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$dir/ranking-first-half.json" \
+    --common "--stream $shifted --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]}" \
+    --profile "${DUMMY[*]} $skew --workload $shifted --num-prompts 64 --max-tokens 8 --expert-policy resident" \
+    --run fixed8="--expert-policy fixed --offload-per-layer 8" \
+    --run elastic8="--expert-policy elastic --expert-offload-limit 8" \
+    --run cost8="--expert-policy elastic --expert-offload-limit 8 --adjuster cost"
+  for log in "$dir"/*.log; do echo "$(basename "$log") $(grep -m1 -h output_tokens_per_s "$log")"; done
+  tar -czf "$dir.tar.gz" -C "$OUT" "$(basename "$dir")" && rm -r "$dir"
+}
+
+for job in "$@"; do
+  [ "$job" = shift ] && job=shift_run  # `shift` is a shell builtin
+  echo "== $job"; "$job"
+done

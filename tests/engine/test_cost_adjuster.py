@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from rimuru.cost_adjuster import CostAdjuster, CostThresholds, affordable_evictions, plan_cost_adjustment
+from rimuru.cost_adjuster import CostAdjuster, CostThresholds, affordable_evictions, plan_cost_adjustment, plan_swaps
 from rimuru.cost_model import copy_seconds, kv_pages_freed, touch_probability
 from rimuru.expert_ranking import ExpertRanking
 from rimuru.popularity import ExpertPopularity
@@ -130,3 +130,61 @@ def test_cost_adjuster_changes_speed_never_tokens(family):
     assert tokens == expected
     resident, tokens = run(folder, prompts, expert_policy="resident", adjuster="cost")
     assert tokens == expected and resident.expert_stats["offloaded_experts"] == 0
+
+
+def test_plan_swaps_by_hand():
+    host = {0: {5: 0.30, 6: 0.15}, 1: {2: 0.05}}
+    resident = {0: {0: 0.40, 1: 0.10, 2: 0.05}, 1: {0: 0.5, 1: 0.45}}
+    # layer 0: 0.30 vs the coldest 0.05 (gain 0.25), then 0.15 vs 0.10: under 2x, stop; layer 1: 0.05 vs 0.45, no
+    assert plan_swaps(host, resident, margin=2.0, max_swaps=4) == [(0, 2, 5)]
+    assert plan_swaps(host, resident, margin=1.2, max_swaps=4) == [(0, 2, 5), (0, 1, 6)]
+    assert plan_swaps(host, resident, margin=1.2, max_swaps=1) == [(0, 2, 5)]  # largest gain first
+    assert plan_swaps({0: {}}, {0: {0: 1.0}}, 2.0, 2) == []
+
+
+def test_swaps_follow_a_shifted_popularity_and_never_bounce():
+    """Offline ranking 0.4/0.3/0.2/0.1 with expert 3 on the host; the traffic then moves to expert 3 alone."""
+    popularity = ExpertPopularity(ExpertRanking({0: (0.4, 0.3, 0.2, 0.1)}), 4, half_life_steps=4, prior_routings=16)
+    offloaded = {0: {3}}
+    t = CostThresholds(readd_after_rounds=5, max_swaps_per_round=1)
+    adjuster = CostAdjuster(popularity, 2, fake_store(offloaded), top_k=1, thresholds=t)
+    assert adjuster.adjust(0, 5, offloaded).swap == []  # the offline order holds: 0.1 is below 2 x 0.2
+    for _ in range(8):
+        popularity.record(0, torch.full((64, 1), 3))
+    popularity.flush(8)
+    changes = adjuster.adjust(0, 5, offloaded)
+    assert changes.swap == [(0, 2, 3)] and changes.evict == [] and changes.add == []  # coldest resident goes
+    offloaded[0] = {2}
+    for _ in range(8):
+        popularity.record(0, torch.full((64, 1), 2))  # and straight back to expert 2
+    popularity.flush(8)
+    # expert 2 cools for 5 rounds after its eviction; then the coldest resident (expert 1, 0.3 of the old counts)
+    assert [adjuster.adjust(0, 5, offloaded).swap for _ in range(5)] == [[], [], [], [], [(0, 1, 2)]]
+    assert adjuster.adjust(8, 0, offloaded).swap == []  # short of pages: no swap
+
+
+def test_swaps_change_speed_never_tokens(family):
+    """Swaps forced every third round in a run that also evicts, adds and misses: the same tokens."""
+    folder, prompts, expected = family
+
+    def force_swaps(engine):
+        adjust, rounds = engine.adjuster.adjust, [0]
+
+        def adjust_and_swap(short, free, offloaded, stalled=False):
+            changes, rounds[0] = adjust(short, free, offloaded, stalled), rounds[0] + 1
+            evicted = {key for key in changes.evict}
+            layers = [layer for layer, experts in offloaded.items() if experts]
+            if rounds[0] % 3 == 0 and layers and not changes.add:
+                layer = layers[rounds[0] % len(layers)]
+                resident = [e for e in range(engine.experts.num_experts)
+                            if e not in offloaded[layer] and (layer, e) not in evicted]  # fmt: skip
+                changes.swap = [(layer, resident[0], min(offloaded[layer]))]
+            return changes
+
+        engine.adjuster.adjust = adjust_and_swap
+
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    engine, tokens = run(folder, prompts, prepare=force_swaps, gpu_memory_budget=budget, expert_offload_limit=3)
+    stats = engine.expert_stats
+    assert stats["swaps"] > 0 and stats["evictions"] > 0 and stats["prefetch_misses"] > 0
+    assert tokens == expected

@@ -108,9 +108,10 @@ def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adju
     llm = LLM(folder, progress=False, gpu_memory_budget=budget_for(folder, 60, 3), expert_offload_limit=3,
               adjuster=adjuster)  # fmt: skip
     engine = llm.engine
-    if adjuster == "cost":  # copies free, growth quick: the cost rule evicts and adds like the paper's
+    if adjuster == "cost":  # copies free, growth quick, eager swaps: the cost rule evicts, adds and swaps
         engine.adjuster.cost.pin(bandwidth=1e15, compute_s=1.0)
-        engine.adjuster.thresholds = replace(engine.adjuster.thresholds, grow_after_rounds=2, readd_after_rounds=4)
+        engine.adjuster.thresholds = replace(engine.adjuster.thresholds, grow_after_rounds=2, readd_after_rounds=4,
+                                             swap_margin=0.5)  # fmt: skip
     store, manager, allocator = engine.experts, engine.expert_manager, engine.allocator
     copier = store.copier = manager.copier = DeferredCopier(store.expert_view)
     publish, on_routing = store.publish, manager.on_routing
@@ -134,6 +135,7 @@ def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adju
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert checked and engine.expert_stats["evictions"] > 0 and engine.expert_stats["additions"] > 0
+    assert engine.expert_stats["swaps"] > 0 or adjuster == "paper"
     assert copier.issued > 0  # side-stream copies really were deferred
 
 
