@@ -19,9 +19,9 @@ from collections.abc import Callable, Mapping
 from rimuru.engine import Engine
 from rimuru.request import Request
 from rimuru.serving.choice import Choice, Delta
-from rimuru.serving.metrics import Metrics
+from rimuru.serving.metrics import Metrics, read_expert_stats
 from rimuru.serving.submission import Accepted, Rejected, Submission
-from rimuru.serving.timeline import Timeline, pool_split
+from rimuru.serving.timeline import Timeline, adjuster_state, pool_split
 
 logger = logging.getLogger("rimuru.serving")
 IDLE_WAIT_S = 0.25  # an idle engine thread wakes this often to record a sample
@@ -222,8 +222,10 @@ class EngineLoop:
         split = pool_split(allocator.stats())
         obtainable = allocator.num_free_small_pages() if hasattr(allocator, "num_free_small_pages") else 0
         kv_usage = split["kv_pages"] / max(1, split["kv_pages"] + obtainable)
-        self.metrics.update_engine(self.engine, split, kv_usage)
-        self.timeline.record(split | {"kv_usage": kv_usage}, len(scheduler.running), len(scheduler.waiting))
+        stats = read_expert_stats(self.engine)
+        self.metrics.update_engine(self.engine, split, kv_usage, stats)
+        sample = split | {"kv_usage": kv_usage} | adjuster_state(stats)
+        self.timeline.record(sample, len(scheduler.running), len(scheduler.waiting))
 
 
 def _post(sub: Submission, item) -> None:

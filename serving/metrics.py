@@ -11,7 +11,10 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0)  # fmt: skip
-EXPERT_COUNTERS = ("evictions", "additions", "bytes_copied", "prefetch_hits", "prefetch_misses")
+EXPERT_COUNTERS = ("evictions", "additions", "swaps", "bytes_copied", "prefetch_hits", "prefetch_misses")
+# the cost adjuster's live model (`cost_*` in `Engine.expert_stats`): why the pool moved
+ADJUSTER_ESTIMATES = ("predicted_copy_ms", "measured_copy_ms", "compute_ms", "bandwidth_gb_s", "touch_p_mean",
+                      "touch_p_max", "affordable_evictions", "oldest_wait_s", "slo_missed")  # fmt: skip
 POOL_KINDS = ("expert", "kv", "free", "trapped")
 
 
@@ -53,14 +56,20 @@ class Metrics:
         self._expert = {name: counter(f"expert_{name}", f"Expert {name.replace('_', ' ')} (expert offloading).")
                         for name in EXPERT_COUNTERS}  # fmt: skip
         self._expert_seen = dict.fromkeys(EXPERT_COUNTERS, 0)
+        self.offloaded_experts = gauge("offloaded_experts", "Routed experts on the host now.").labels(model_name)
+        estimates = gauge("adjuster_estimate", "The cost adjuster's model: copy and compute ms a step, bandwidth GB/s, "
+                          "touch probability, affordable evictions, oldest wait s (0 under the paper's rule).",
+                          ["estimate"])  # fmt: skip
+        self._estimates = {name: estimates.labels(model_name, name) for name in ADJUSTER_ESTIMATES}
         self._preemptions_seen = 0
         self.model_name = model_name
         for name in POOL_KINDS:
             self._pool_pages.labels(model_name, name).set(0)
             self._pool_bytes.labels(model_name, name).set(0)
 
-    def update_engine(self, engine, split: dict, kv_usage: float) -> None:
-        """Gauges and cumulative counters from the engine's state after a step. Engine thread."""
+    def update_engine(self, engine, split: dict, kv_usage: float, stats: dict | None = None) -> None:
+        """Gauges and cumulative counters from the engine's state after a step (`stats`: its expert stats, read
+        here when not given). Engine thread."""
         scheduler = engine.scheduler
         self.num_requests_running.set(len(scheduler.running))
         self.num_requests_waiting.set(len(scheduler.waiting))
@@ -69,9 +78,12 @@ class Metrics:
             self._pool_pages.labels(self.model_name, kind).set(split[f"{kind}_pages"])
             self._pool_bytes.labels(self.model_name, kind).set(split[f"{kind}_bytes"])
         self._preemptions_seen = _advance(self.num_preemptions, scheduler.num_preemptions, self._preemptions_seen)
-        stats = read_expert_stats(engine)
+        stats = read_expert_stats(engine) if stats is None else stats
         for name in EXPERT_COUNTERS:
             self._expert_seen[name] = _advance(self._expert[name], stats.get(name, 0), self._expert_seen[name])
+        self.offloaded_experts.set(stats.get("offloaded_experts", 0))
+        for name, gauge in self._estimates.items():
+            gauge.set(stats.get(f"cost_{name}", 0))
 
     def finished(self, reason: str | None) -> None:
         self.request_success.labels(self.model_name, reason or "unknown").inc()

@@ -1,4 +1,5 @@
-"""`Timeline`: the pool split and the queue over time, recorded by the engine thread, read by `/v1/memory`.
+"""`Timeline`: the pool split, the queue and the adjuster's state over time, recorded by the engine thread, read by
+`/v1/memory`.
 
 A bounded ring buffer of samples taken at most every `interval_s` (a busy engine steps every millisecond or so;
 the dashboard needs a few points a second). Tokens are summed between samples into a tokens/s rate. The lock
@@ -9,8 +10,12 @@ import threading
 import time
 from collections import deque
 
+# why the pool moved: the experts on the host, and the cost adjuster's model (zeros under the paper's rule)
+ADJUSTER_FIELDS = {"offloaded_experts": "offloaded_experts", "predicted_copy_ms": "cost_predicted_copy_ms",
+                   "measured_copy_ms": "cost_measured_copy_ms", "compute_ms": "cost_compute_ms",
+                   "touch_p_mean": "cost_touch_p_mean"}  # fmt: skip
 FIELDS = ("t", "expert_pages", "kv_pages", "trapped_pages", "free_pages", "expert_bytes", "kv_bytes",
-          "trapped_bytes", "free_bytes", "running", "waiting", "tokens_per_s")  # fmt: skip
+          "trapped_bytes", "free_bytes", "running", "waiting", "tokens_per_s", *ADJUSTER_FIELDS)  # fmt: skip
 
 
 def pool_split(stats: dict) -> dict:
@@ -25,6 +30,11 @@ def pool_split(stats: dict) -> dict:
         "trapped_bytes": stats.get("trapped_bytes", 0),
         "free_bytes": stats.get("free_bytes", 0),
     }
+
+
+def adjuster_state(expert_stats: dict) -> dict:
+    """The `ADJUSTER_FIELDS` of `Engine.expert_stats`, 0 where the engine has none."""
+    return {name: round(float(expert_stats.get(key, 0)), 4) for name, key in ADJUSTER_FIELDS.items()}
 
 
 class Timeline:

@@ -9,7 +9,8 @@ NAMES = ["rimuru:num_requests_running", "rimuru:num_requests_waiting", "rimuru:k
          "rimuru:time_to_first_token_seconds_bucket", "rimuru:time_per_output_token_seconds_bucket",
          "rimuru:e2e_request_latency_seconds_bucket", "rimuru:prompt_tokens_total", "rimuru:generation_tokens_total",
          "rimuru:num_preemptions_total", "rimuru:expert_evictions_total", "rimuru:expert_additions_total",
-         "rimuru:expert_bytes_copied_total", "rimuru:expert_prefetch_hits_total", "rimuru:expert_prefetch_misses_total"]  # fmt: skip
+         "rimuru:expert_bytes_copied_total", "rimuru:expert_prefetch_hits_total", "rimuru:expert_prefetch_misses_total",
+         "rimuru:expert_swaps_total", "rimuru:offloaded_experts", "rimuru:adjuster_estimate"]  # fmt: skip
 
 
 def test_metrics_after_traffic(server):
@@ -29,7 +30,8 @@ def test_memory_series_and_version(server):
     memory = server.memory()
     series, current = memory["series"], memory["current"]
     assert len(series["t"]) >= 2 and series["t"] == sorted(series["t"])
-    assert {"expert_pages", "kv_pages", "free_pages", "trapped_pages", "running", "waiting", "tokens_per_s"} <= set(series)
+    assert {"expert_pages", "kv_pages", "free_pages", "trapped_pages", "running", "waiting", "tokens_per_s",
+            "offloaded_experts", "predicted_copy_ms", "measured_copy_ms", "compute_ms"} <= set(series)
     assert all(len(values) == len(series["t"]) for values in series.values())
     assert current["expert_pages"] > 0 and memory["pool_bytes"] > 0
     assert httpx.get(f"{server.url}/version").json()["version"]
@@ -44,3 +46,25 @@ def test_a_registry_per_app():
 def _value(text: str, prefix: str) -> float:
     line = next(line for line in text.splitlines() if line.startswith(prefix))
     return float(line.rsplit(" ", 1)[1])
+
+
+def test_the_cost_adjusters_estimates_reach_the_metrics_and_the_timeline():
+    """What `Engine.expert_stats` holds under `adjuster="cost"` shows as gauges and as timeline fields."""
+    from types import SimpleNamespace
+
+    from rimuru.serving.timeline import Timeline, adjuster_state
+
+    stats = {"offloaded_experts": 12, "swaps": 2, "cost_predicted_copy_ms": 0.8, "cost_measured_copy_ms": 0.6,
+             "cost_compute_ms": 14.5, "cost_touch_p_mean": 0.05}  # fmt: skip
+    engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=0), expert_stats=stats)
+    metrics = Metrics("m")
+    split = {f"{kind}_{unit}": 1 for kind in ("expert", "kv", "free", "trapped") for unit in ("pages", "bytes")}
+    metrics.update_engine(engine, split, 0.5)
+    text = metrics.render().decode()
+    assert _value(text, 'rimuru:adjuster_estimate{estimate="predicted_copy_ms"') == 0.8
+    assert _value(text, 'rimuru:adjuster_estimate{estimate="compute_ms"') == 14.5
+    assert _value(text, "rimuru:offloaded_experts") == 12 and _value(text, "rimuru:expert_swaps_total") == 2
+    timeline = Timeline()
+    timeline.record(split | adjuster_state(stats), running=3, waiting=0)
+    assert timeline.snapshot()["current"]["measured_copy_ms"] == 0.6
+    assert adjuster_state({}) == dict.fromkeys(adjuster_state(stats), 0.0)

@@ -1,4 +1,5 @@
-// Polls /v1/memory and draws three charts on <canvas>: the page pool split (stacked), requests, tokens/s.
+// Polls /v1/memory and draws four charts on <canvas>: the page pool split (stacked), requests, tokens/s, and the
+// cost adjuster's predicted and measured copy time against compute time a step.
 // No libraries. An API key can be given as #key=... in the address; it is sent as a bearer token.
 "use strict";
 
@@ -7,10 +8,12 @@ const MIB = 1024 * 1024;
 const COLORS = {
   expert_bytes: "#e8702a", kv_bytes: "#1f77d4", trapped_bytes: "#9b59b6", free_bytes: "#d9dde3",
   running: "#2ca02c", waiting: "#d62728", tokens_per_s: "#8c564b",
+  predicted_copy_ms: "#ff7f0e", measured_copy_ms: "#17becf", compute_ms: "#7f7f7f",
 };
 const LABELS = {
   expert_bytes: "experts", kv_bytes: "KV cache", trapped_bytes: "trapped", free_bytes: "free",
   running: "running", waiting: "waiting", tokens_per_s: "tokens/s",
+  predicted_copy_ms: "copies, predicted", measured_copy_ms: "copies, measured", compute_ms: "compute",
 };
 
 function apiKey() {
@@ -95,7 +98,8 @@ function showNow(current) {
   const rows = [
     ["expert pages", current.expert_pages], ["KV pages", current.kv_pages], ["trapped pages", current.trapped_pages],
     ["free (expert pages)", current.free_pages], ["running", current.running], ["waiting", current.waiting],
-    ["tokens/s", current.tokens_per_s],
+    ["tokens/s", current.tokens_per_s], ["experts on the host", current.offloaded_experts],
+    ["touch probability of a host expert", current.touch_p_mean],
   ];
   document.querySelector("#now tbody").innerHTML = rows
     .map(([k, v]) => `<tr><td>${k}</td><td>${v === undefined ? "-" : v}</td></tr>`).join("");
@@ -111,7 +115,7 @@ async function poll() {
     const data = await response.json();
     const s = data.series;
     document.getElementById("model").textContent = data.model || "";
-    const charts = [["pool", true, MIB], ["requests", false, 1], ["throughput", false, 1]];
+    const charts = [["pool", true, MIB], ["requests", false, 1], ["throughput", false, 1], ["copies", false, 1]];
     for (const [id, stacked, scale] of charts) {
       const canvas = document.getElementById(id);
       const names = canvas.dataset.series.split(" ");
@@ -130,5 +134,6 @@ async function poll() {
 legend("pool-legend", ["expert_bytes", "kv_bytes", "trapped_bytes", "free_bytes"]);
 legend("requests-legend", ["running", "waiting"]);
 legend("throughput-legend", ["tokens_per_s"]);
+legend("copies-legend", ["predicted_copy_ms", "measured_copy_ms", "compute_ms"]);
 poll();
 setInterval(poll, POLL_MS);
