@@ -25,3 +25,9 @@ class ForwardContext:
     # topk_ids [T, K]). The expert manager uses it to prefetch and to copy in routed experts that are not in
     # the pool, updating `expert_page_tables` in place. None when every expert is resident.
     on_routing: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    # MoE layer -> its pinned host copies (gate [E, F, D], up [E, F, D], down [E, D, F]): the expert kernel reads an
+    # expert whose page-table entry is -1 there, over the host link (expert_reads="direct"). None: never.
+    host_experts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None
+    # [T] bool, the padding rows of a CUDA graph's batch: they route like row 0, so they touch no expert a real
+    # token does not. None: no padding.
+    padding_rows: torch.Tensor | None = None

@@ -43,9 +43,12 @@ class SparseMoeBlock(nn.Module):
 
     def steps(self, x: torch.Tensor, ctx: ForwardContext) -> Pieces:  # x [T, D] -> [T, D]
         topk_ids, topk_weights = self.route(x)  # [T, K]
+        if ctx.padding_rows is not None:
+            topk_ids = torch.where(ctx.padding_rows[:, None], topk_ids[:1], topk_ids)
         yield RoutingPoint(self.layer_idx, x, topk_ids)
         page_table = ctx.expert_page_tables[self.layer_idx]  # [E, 3]
-        out = ops.paged_moe(x, ctx.expert_view, page_table, topk_ids, topk_weights, self.num_features)  # [T, D]
+        host = ctx.host_experts.get(self.layer_idx) if ctx.host_experts else None
+        out = ops.paged_moe(x, ctx.expert_view, page_table, topk_ids, topk_weights, self.num_features, host)  # [T, D]
         if self.shared_expert is not None:
             out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
         return out

@@ -20,9 +20,12 @@ def paged_moe(
     topk_ids: torch.Tensor,  # [T, K] int
     topk_weights: torch.Tensor,  # [T, K] float32
     num_features: int,  # F
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # pinned gate, up [E, F, D], down [E, D, F]
 ) -> torch.Tensor:  # [T, D]
-    """Routed-expert MLP over expert pages; see `rimuru.ops.reference.paged_moe`."""
-    return torch.ops.rimuru.paged_moe(hidden, expert_view, page_table, topk_ids, topk_weights, num_features)
+    """Routed-expert MLP over expert pages, and over `host` copies for experts whose pages are -1; see
+    `rimuru.ops.reference.paged_moe`."""
+    return torch.ops.rimuru.paged_moe(hidden, expert_view, page_table, topk_ids, topk_weights, num_features,
+                                      *(host or (None, None, None)))  # fmt: skip
 
 
 def write_kv(

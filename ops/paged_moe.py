@@ -11,7 +11,11 @@ Addresses inside the expert view (row stride `stride_page` >= F * D, so padded p
     gate/up element (n, k)  ->  base + page(e, 0 or 1) * stride_page + n * D + k      n < F, k < D
     down    element (n, t)  ->  base + page(e, 2)      * stride_page + n * F + t      n < D, t < F
 
-An expert whose pages are -1 (on the host) contributes zero rows and is never read.
+An expert whose pages are -1 (on the host) contributes zero rows and is never read, unless the call passes the
+layer's pinned host copies (`host_gate`, `host_up`, `host_down`): then the kernels read that expert there, over the
+host link (device-mapped pinned memory, no copy and no host synchronisation):
+
+    gate/up element (n, k)  ->  host_gate/up + e * F * D + n * D + k        down (n, t)  ->  host_down + e * D * F + n * F + t
 
 Performance (H200, bf16, docs/benchmarks/kernels.md): both GEMMs over Qwen3-30B-A3B experts take 36 us at one token
 (51% of the memory roofline), 285 us at 64 tokens (99%), 788 us at 4096 (51% of the arithmetic roofline); the paged
@@ -29,9 +33,9 @@ from rimuru.ops.moe_align import align_tokens
 
 @triton.jit(do_not_specialize=["num_pairs", "top_k"])  # one compile serves every batch size and top-k
 def _gate_up_kernel(
-    p_hidden, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_act,
+    p_hidden, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_act, p_host_gate, p_host_up,
     num_pairs, top_k, num_features, hidden_size, stride_hidden, stride_page, stride_act,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
 ):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BLOCK_M >= tl.load(p_num_padded):
@@ -45,11 +49,19 @@ def _gate_up_kernel(
     p_a = p_hidden + (b_pair // top_k)[:, None] * stride_hidden + o_k[None, :]  # [BM, BK]
     page_gate = tl.load(p_page_table + i_e * 3).to(tl.int64)
     page_up = tl.load(p_page_table + i_e * 3 + 1).to(tl.int64)
-    if page_gate < 0:  # not in the pool: `_down_kernel` writes its rows' zeros without reading act
-        return
     o_w = o_n[None, :] * hidden_size + o_k[:, None]  # [BK, BN]: column n of the GEMM is row n of the page
-    p_g = p_experts + page_gate * stride_page + o_w
-    p_u = p_experts + page_up * stride_page + o_w
+    if READ_HOST:
+        if page_gate >= 0:
+            p_g = p_experts + page_gate * stride_page + o_w
+            p_u = p_experts + page_up * stride_page + o_w
+        else:  # the expert's pinned host copy, read over the host link
+            p_g = p_host_gate + i_e * num_features * hidden_size + o_w
+            p_u = p_host_up + i_e * num_features * hidden_size + o_w
+    else:
+        if page_gate < 0:  # not in the pool: `_down_kernel` writes its rows' zeros without reading act
+            return
+        p_g = p_experts + page_gate * stride_page + o_w
+        p_u = p_experts + page_up * stride_page + o_w
     b_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     b_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(hidden_size, BLOCK_K)):
@@ -68,9 +80,9 @@ def _gate_up_kernel(
 
 @triton.jit(do_not_specialize=["num_pairs"])
 def _down_kernel(
-    p_act, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_weights, p_out,
+    p_act, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_weights, p_out, p_host_down,
     num_pairs, num_features, hidden_size, stride_act, stride_page, stride_out,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
 ):
     i_m, i_n = tl.program_id(0), tl.program_id(1)
     if i_m * BLOCK_M >= tl.load(p_num_padded):
@@ -84,10 +96,18 @@ def _down_kernel(
     p_a = p_act + b_pair[:, None] * stride_act + o_k[None, :]  # [BM, BK]
     page_down = tl.load(p_page_table + i_e * 3 + 2).to(tl.int64)
     p_y = p_out + b_pair[:, None] * stride_out + o_n[None, :]
-    if page_down < 0:  # NOTE: an expert not in the pool adds nothing (only a CUDA graph's padding rows route there)
-        tl.store(p_y, tl.zeros((BLOCK_M, BLOCK_N), dtype=p_out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
-        return
-    p_w = p_experts + page_down * stride_page + o_n[None, :] * num_features + o_k[:, None]  # [BK, BN]
+    o_w = o_n[None, :] * num_features + o_k[:, None]  # [BK, BN]
+    if READ_HOST:
+        if page_down >= 0:
+            p_w = p_experts + page_down * stride_page + o_w
+        else:
+            p_w = p_host_down + i_e * hidden_size * num_features + o_w
+    else:
+        if page_down < 0:  # NOTE: an expert not in the pool adds nothing (a CUDA graph's padding rows route there)
+            b_zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=p_out.dtype.element_ty)
+            tl.store(p_y, b_zero, mask=m_m[:, None] & m_n[None, :])
+            return
+        p_w = p_experts + page_down * stride_page + o_w
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k in range(0, tl.cdiv(num_features, BLOCK_K)):
         m_k = o_k < num_features - k * BLOCK_K
@@ -101,41 +121,44 @@ def _down_kernel(
     tl.store(p_y, b_acc.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act, top_k, cfg):
+def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act, top_k, cfg,
+                   host=None):  # fmt: skip
     """act[t * K + k] = silu(x_t gate_e^T) * (x_t up_e^T) for every routed pair; act [T * K, F]."""
     num_pairs, num_features = act.shape
     grid = (block_expert.numel(), triton.cdiv(num_features, cfg["BLOCK_N"]))
+    host_gate, host_up, _ = host or (expert_view,) * 3  # without host copies the pointers are never read
     _gate_up_kernel[grid](
-        hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act,
+        hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act, host_gate, host_up,
         num_pairs, top_k, num_features, hidden.shape[1], hidden.stride(0), expert_view.stride(0), act.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], READ_HOST=host is not None,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
-def launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, cfg):
+def launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, cfg, host=None):
     """out[t * K + k] = w_tk * (act[t * K + k] down_e^T); out [T * K, D]. `DOWN_*` keys override the tiles."""
     tiles = {**cfg, **{key[5:]: v for key, v in cfg.items() if key.startswith("DOWN_")}}
     num_pairs, num_features = act.shape
     grid = (block_expert.numel(), triton.cdiv(out.shape[1], tiles["BLOCK_N"]))
+    host_down = host[2] if host is not None else expert_view
     _down_kernel[grid](
-        act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out,
+        act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, host_down,
         num_pairs, num_features, out.shape[1], act.stride(0), expert_view.stride(0), out.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"],
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], READ_HOST=host is not None,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
 
 
 def moe_gemms(hidden, expert_view, page_table, topk_weights, sorted_ids, block_expert, num_padded, num_features,
-              cfg):
+              cfg, host=None):  # fmt: skip
     """Both GEMMs over already sorted pairs: one weighted output row per (token, k), [T * K, D]."""
     num_tokens, hidden_size = hidden.shape
     num_pairs = topk_weights.numel()
     act = torch.empty(num_pairs, num_features, dtype=hidden.dtype, device=hidden.device)  # [T * K, F]
     out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # [T * K, D]
     launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act,
-                   num_pairs // num_tokens, cfg)
-    launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, topk_weights, out, cfg)
+                   num_pairs // num_tokens, cfg, host)  # fmt: skip
+    launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, topk_weights, out, cfg, host)
     return out
 
 
@@ -147,8 +170,10 @@ def paged_moe_triton(
     topk_weights: torch.Tensor,  # [T, K] float32
     num_features: int,
     config: dict | None = None,
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # pinned gate, up [E, F, D], down [E, D, F]
 ) -> torch.Tensor:  # [T, D]
-    """Sort, both GEMMs and the top-k sum; no host synchronisation."""
+    """Sort, both GEMMs and the top-k sum; no host synchronisation. With `host`, experts whose pages are -1 are
+    read from their pinned host copies (device-mapped memory) instead of contributing nothing."""
     num_tokens, hidden_size = hidden.shape
     num_experts, top_k = page_table.shape[0], topk_ids.shape[1]
     if num_tokens == 0:
@@ -159,7 +184,7 @@ def paged_moe_triton(
     sorted_ids, block_expert, num_padded = align_tokens(topk_ids, num_experts, cfg["BLOCK_M"])
     weights = topk_weights.to(torch.float32).contiguous()
     out = moe_gemms(hidden, expert_view, page_table.to(torch.int32).contiguous(), weights, sorted_ids,
-                    block_expert, num_padded, num_features, cfg)  # [T * K, D]
+                    block_expert, num_padded, num_features, cfg, host)  # [T * K, D]
     if top_k == 1:
         return out
     return out.view(num_tokens, top_k, hidden_size).sum(1)  # [T, D], fp32 accumulation inside the reduction
@@ -173,15 +198,30 @@ def paged_moe(
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     num_features: int,
+    host_gate: torch.Tensor | None = None,
+    host_up: torch.Tensor | None = None,
+    host_down: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    return reference.paged_moe(hidden, expert_view, page_table, topk_ids, topk_weights, num_features)
+    host = _host(host_gate, host_up, host_down)
+    return reference.paged_moe(hidden, expert_view, page_table, topk_ids, topk_weights, num_features, host)
 
 
 @paged_moe.register_kernel("cuda")
-def _paged_moe_cuda(hidden, expert_view, page_table, topk_ids, topk_weights, num_features):
-    return paged_moe_triton(hidden, expert_view, page_table, topk_ids, topk_weights, num_features)
+def _paged_moe_cuda(hidden, expert_view, page_table, topk_ids, topk_weights, num_features, host_gate=None,
+                    host_up=None, host_down=None):  # fmt: skip
+    host = _host(host_gate, host_up, host_down)
+    return paged_moe_triton(hidden, expert_view, page_table, topk_ids, topk_weights, num_features, host=host)
 
 
 @paged_moe.register_fake
-def _paged_moe_fake(hidden, expert_view, page_table, topk_ids, topk_weights, num_features):
+def _paged_moe_fake(hidden, expert_view, page_table, topk_ids, topk_weights, num_features, host_gate=None,
+                    host_up=None, host_down=None):  # fmt: skip
     return torch.empty_like(hidden, memory_format=torch.contiguous_format)
+
+
+def _host(gate, up, down) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    if gate is None and up is None and down is None:
+        return None
+    if gate is None or up is None or down is None:
+        raise ValueError("host_gate, host_up and host_down go together")
+    return gate, up, down

@@ -27,16 +27,20 @@ def paged_moe(
     topk_ids: torch.Tensor,  # [T, K] int
     topk_weights: torch.Tensor,  # [T, K] float32
     num_features: int,  # F
+    host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # gate, up [E, F, D], down [E, D, F]
 ) -> torch.Tensor:  # [T, D]
     """Sum over k of topk_weights[t, k] * down(silu(gate x) * up x) for expert topk_ids[t, k]; fp32 accumulation.
-    An expert whose pages are -1 (not in the pool) adds nothing."""
+    An expert whose pages are -1 (not in the pool) is read from `host` when given, else adds nothing."""
     num_tokens, hidden_size = hidden.shape
     out = torch.zeros(num_tokens, hidden_size, dtype=torch.float32, device=hidden.device)  # [T, D]
     for expert_id in torch.unique(topk_ids).tolist():
-        if page_table[expert_id, 2] < 0:
+        if page_table[expert_id, 2] < 0 and host is None:
             continue
         token_idx, k_idx = torch.nonzero(topk_ids == expert_id, as_tuple=True)  # [A], [A]
-        gate, up, down = expert_matrices(expert_view, page_table[expert_id].long(), num_features, hidden_size)
+        if page_table[expert_id, 2] < 0:
+            gate, up, down = (m[expert_id].to(hidden.device) for m in host)
+        else:
+            gate, up, down = expert_matrices(expert_view, page_table[expert_id].long(), num_features, hidden_size)
         x = hidden[token_idx].float()  # [A, D]
         act = torch.nn.functional.silu(x @ gate.float().T) * (x @ up.float().T)  # [A, F]
         y = act @ down.float().T  # [A, D]

@@ -47,6 +47,9 @@ class EngineConfig:
     offload_per_layer: int | None = None  # experts each layer keeps on the host (fixed); None: a quarter of them
     expert_ranking: str | None = None  # path of expert_ranking.json; None: beside the checkpoint, else uniform
     prefetch: bool = True  # predict the next layer's experts and copy them ahead
+    # a routed expert that is on the host: "copy" it into a loading buffer (the hook waits for the router first) or
+    # let the expert kernel read its pinned host copy over the host link ("direct": no wait, no loading buffers)
+    expert_reads: str = "copy"
     cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: same path, eager)
     seed: int = 0
     progress: bool = True
@@ -80,6 +83,8 @@ class EngineConfig:
             raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
         if self.expert_policy not in ("resident", "fixed", "elastic"):
             raise ValueError(f"expert_policy must be 'resident', 'fixed' or 'elastic', got {self.expert_policy!r}")
+        if self.expert_reads not in ("copy", "direct"):
+            raise ValueError(f"expert_reads must be 'copy' or 'direct', got {self.expert_reads!r}")
         if self.adjuster not in ("paper", "cost"):
             raise ValueError(f"adjuster must be 'paper' or 'cost', got {self.adjuster!r}")
         if self.copy_compute_ratio < 0 or (self.ttft_slo is not None and self.ttft_slo < 0):

@@ -8,7 +8,8 @@ routing hook on the real rows exactly as the eager pass does (copies of routed e
 layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook left them.
 
 Padding rows are decodes of token 0 at position 0 with a single K/V slot in a scratch page that belongs to the
-graphs, so they write into and read from no request's pages:
+graphs, so they write into and read from no request's pages, and they route like row 0 (`padding_rows`), so they
+touch no expert a real token does not:
 
     rows      | 0 .. B-1: the batch             | B .. size-1: padding                 |
     seq_len   | the request's                   | 1                                    |
@@ -47,14 +48,16 @@ class _Captured:
 class DecodeGraphs:
     def __init__(self, model: QwenMoeForCausalLM, kv_view: torch.Tensor, expert_view: torch.Tensor,
                  expert_tables: torch.Tensor, max_pages: int, scratch_page: int, batch_sizes: list[int],
-                 capture: bool):  # fmt: skip
+                 capture: bool, host_experts: dict | None = None):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
+        self.host_experts = host_experts  # pinned: fixed addresses the graphs may read (expert_reads="direct")
         self.batch_sizes, self.capture = sorted(batch_sizes), capture
         self.scratch_page, self.page_tokens = scratch_page, kv_view.shape[2]
         dev, top, num_layers = kv_view.device, self.batch_sizes[-1], model.config.num_hidden_layers
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
+        self.padding_rows = torch.ones(top, dtype=torch.bool, device=dev)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one token a request
         self.logits_indices = torch.arange(top, dtype=torch.int64, device=dev)
         self.kv_page_tables = torch.full((num_layers, top, max_pages), scratch_page, dtype=torch.int32, device=dev)
@@ -157,6 +160,7 @@ class DecodeGraphs:
         self.input_ids[:num_requests].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:num_requests].copy_(inputs.positions, non_blocking=True)
         self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
+        self.padding_rows[:num_requests] = False
         self.kv_page_tables[:, :num_requests, :num_pages].copy_(inputs.kv_page_tables, non_blocking=True)
         self.slot_mappings[:, :num_requests].copy_(inputs.slot_mappings, non_blocking=True)
 
@@ -167,6 +171,7 @@ class DecodeGraphs:
         self.input_ids[start:end] = 0
         self.positions[start:end] = 0
         self.seq_lens[start:end] = 1
+        self.padding_rows[start:end] = True
         self.kv_page_tables[:, start:end, 0] = self.scratch_page
         self.slot_mappings[:, start:end] = self.scratch_page * self.page_tokens
 
@@ -181,4 +186,6 @@ class DecodeGraphs:
             kv_view=self.kv_view,
             expert_view=self.expert_view,
             logits_indices=self.logits_indices[:size],
+            host_experts=self.host_experts,
+            padding_rows=self.padding_rows[:size],
         )

@@ -84,7 +84,8 @@ class Engine:
         sizes = graph_batch_sizes(self.config.max_num_seqs)
         graphs = DecodeGraphs(self.loaded.model, self.pool.kv_view(), self.experts.expert_view,
                               self.expert_manager.working_tables, self.kv_cache.max_pages, self._graph_scratch_page,
-                              sizes, capture=self.device.type == "cuda")  # fmt: skip
+                              sizes, capture=self.device.type == "cuda",
+                              host_experts=self.expert_manager.host_experts)  # fmt: skip
         start = time.perf_counter()
         graphs.capture_all(self.config.progress)
         if graphs.capture:
@@ -127,7 +128,9 @@ class Engine:
         cfg, mc = self.config, self.model_config
         self.experts = ExpertStore(self.loaded.experts, mc.num_hidden_layers, self.pool, self.allocator)
         count = cfg.offload_count(mc.num_experts)
-        check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes)
+        direct = cfg.expert_reads == "direct"
+        buffer_experts = 0 if direct else count  # direct reads need no loading buffers
+        check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes, buffer_experts)
         ranking = find_ranking(folder, cfg.expert_ranking, mc.moe_layer_ids, mc.num_experts)
         if ranking.is_uniform and count:
             logger.warning("no expert_ranking.json: experts are offloaded in id order; run `rimuru profile` first")
@@ -135,8 +138,8 @@ class Engine:
         is_cost = self.adjuster is not None and cfg.adjuster == "cost"
         popularity = ExpertPopularity(ranking, mc.num_experts, self.device) if is_cost else None
         routers = {layer: self.loaded.model.model.layers[layer].mlp.gate.weight for layer in mc.moe_layer_ids}
-        self.expert_manager = ExpertManager(self.experts, count, routers, mc.num_experts_per_tok, cfg.prefetch,
-                                            popularity)  # fmt: skip
+        self.expert_manager = ExpertManager(self.experts, buffer_experts, routers, mc.num_experts_per_tok,
+                                            cfg.prefetch and not direct, popularity, direct)  # fmt: skip
         self.experts.place(initial_offload(cfg.expert_policy, count, self.experts, Adjuster(ranking, count)))
         if is_cost:  # after the placement, whose copies are its first bandwidth sample
             thresholds = CostThresholds(copy_compute_ratio=cfg.copy_compute_ratio, ttft_slo=cfg.ttft_slo)
@@ -158,7 +161,7 @@ class Engine:
         """Counters of expert traffic plus the pool split now, for metrics and the dashboard."""
         buffer_pages = sum(len(b.slots) for b in self.expert_manager.buffers) * 3
         estimates = getattr(self.adjuster, "estimates", {})  # the cost adjuster's model: why the pool moved
-        return self.expert_manager.stats.as_dict() | self.allocator.stats() | estimates | {
+        return self.expert_manager.stats_dict() | self.allocator.stats() | estimates | {
             "buffer_pages": buffer_pages,  # loading buffers, counted in expert_used_pages too
             "offloaded_experts": self.experts.num_offloaded,
             "running": len(self.scheduler.running),

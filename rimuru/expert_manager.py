@@ -55,8 +55,12 @@ class _Buffer:
 
 class ExpertManager:
     def __init__(self, store: ExpertStore, buffer_experts: int, routers: dict[int, torch.Tensor], top_k: int,
-                 predict: bool = True, popularity: ExpertPopularity | None = None):  # fmt: skip
+                 predict: bool = True, popularity: ExpertPopularity | None = None, direct: bool = False):  # fmt: skip
         self.store, self.copier = store, store.copier
+        self.direct = direct  # expert_reads="direct": the kernels read host experts in place, no hook waits
+        # what the kernels read for an expert at -1 when direct: each layer's pinned host copies
+        self.host_experts = {layer: (w.gate, w.up, w.down) for layer, w in store.host.items()} if direct else None
+        self._direct_reads = torch.zeros((), dtype=torch.int64, device=store.page_tables.device)
         self.popularity = popularity
         self.routers, self.top_k = routers, top_k  # MoE layer -> router weight [E, D]; experts per token
         self.predict = predict
@@ -81,8 +85,13 @@ class ExpertManager:
 
     @property
     def is_active(self) -> bool:
-        """Whether this pass needs the routing hook: some expert is on the host or on its way in."""
-        return bool(self.store.num_offloaded or self.pending_add)
+        """Whether this pass needs the routing hook: some expert is on the host or on its way in (never with direct
+        reads: additions are then published between passes, and a routed host expert is read where it is)."""
+        return not self.direct and bool(self.store.num_offloaded or self.pending_add)
+
+    def stats_dict(self) -> dict:
+        """The counters, with `direct_reads`: layer passes that read a routed expert from the host (a host sync)."""
+        return self.stats.as_dict() | {"direct_reads": int(self._direct_reads)}
 
     def pass_routing(self, fixed_tables: bool = False) -> tuple[torch.Tensor, Callable | None]:
         """The expert page tables [L, E, 3] the kernels read this pass, and the routing hook to run. With every
@@ -98,11 +107,15 @@ class ExpertManager:
     @property
     def counting_hook(self):
         """The routing hook of a pass with every expert resident: counting only, or None when nothing counts."""
-        return self.count_routing if self.popularity is not None or self.observers else None
+        counts = self.popularity is not None or self.observers or (self.direct and self.store.num_offloaded)
+        return self.count_routing if counts else None
 
     def count_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         if self.popularity is not None:
             self.popularity.record(layer, topk_ids)
+        if self.direct and self.store.offloaded.get(layer):
+            on_host = self.store.page_tables[layer, :, 2] < 0  # [E]
+            self._direct_reads += (on_host & (_expert_counts(topk_ids, self.store.num_experts) > 0)).sum()
         for observe in self.observers:
             observe(layer, hidden, topk_ids)
 

@@ -29,17 +29,17 @@ def initial_offload(policy: str, count: int, store: ExpertStore, adjuster: Adjus
     return offload
 
 
-def check_budget(policy: str, count: int, store: ExpertStore, pool_bytes: int) -> None:
+def check_budget(policy: str, count: int, store: ExpertStore, pool_bytes: int, buffer_experts: int) -> None:
     """ValueError with the numbers when the pool cannot hold the loading buffers and the experts that must stay."""
     if policy == "resident":
         return
     page = store.allocator.sizes.expert_page_bytes
     must_stay = len(store.layer_ids) * (store.num_experts - count) * PAGES_PER_EXPERT
-    buffers = 2 * count * PAGES_PER_EXPERT
+    buffers = 2 * buffer_experts * PAGES_PER_EXPERT
     needed = (must_stay + buffers + 1) * page
     if pool_bytes < needed:
         raise ValueError(
-            f"the pool of {pool_bytes / 2**30:.2f} GiB cannot hold two loading buffers of {count} experts "
+            f"the pool of {pool_bytes / 2**30:.2f} GiB cannot hold two loading buffers of {buffer_experts} experts "
             f"({buffers * page / 2**30:.2f} GiB) plus the {must_stay // PAGES_PER_EXPERT} experts that must stay "
             f"resident ({must_stay * page / 2**30:.2f} GiB) and one page of KV: {needed / 2**30:.2f} GiB needed; "
             f"raise gpu_memory_budget or the offload count"

@@ -102,4 +102,5 @@ class ModelRunner:
             expert_view=self.experts.store.expert_view,
             logits_indices=inputs.logits_indices.to(dev, non_blocking=True),
             on_routing=hook,
+            host_experts=self.experts.host_experts,
         )

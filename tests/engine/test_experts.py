@@ -69,6 +69,27 @@ def test_policies_and_budgets_change_speed_never_tokens(family):
     assert tokens == expected
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True])  # True on CPU: the padded graph path, run eagerly
+def test_direct_reads_change_speed_never_tokens(family, cuda_graphs):
+    """expert_reads="direct": routed host experts are read where they are, with no loading buffers and no hook."""
+    folder, prompts, expected = family
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    options = dict(expert_reads="direct", cuda_graphs=cuda_graphs)
+    elastic, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, **options)
+    stats = elastic.expert_stats
+    assert stats["evictions"] > 0 and stats["direct_reads"] > 0 and stats["buffer_pages"] == 0
+    assert stats["prefetch_hits"] + stats["prefetch_misses"] == 0  # nothing copied on demand or ahead
+    assert tokens == expected
+    fixed, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_policy="fixed", offload_per_layer=3,
+                        **options)  # fmt: skip
+    assert fixed.expert_stats["direct_reads"] > 0 and fixed.experts.num_offloaded > 0
+    assert tokens == expected
+    squeezed, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, 24, 0), expert_offload_limit=1,
+                           **options)  # fmt: skip
+    assert squeezed.scheduler.num_preemptions > 0 and squeezed.expert_stats["evictions"] > 0
+    assert tokens == expected
+
+
 def test_prefetch_predicts_some_experts(family):
     folder, prompts, expected = family
     engine, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, 60, 4), expert_policy="fixed",

@@ -101,6 +101,23 @@ def test_on_routing_called_once_per_moe_layer(loaded):
     assert runner.routing_calls == expected
 
 
+def test_padding_rows_route_like_row_zero_and_leave_real_rows_alone(loaded):
+    """A CUDA graph's padding rows (`ForwardContext.padding_rows`) take row 0's experts in every MoE layer; the
+    real rows' logits do not change."""
+    chunks = {0: PROMPTS[0], 1: PROMPTS[2]}  # 7 tokens; the last 2 play padding
+    plain = ResidentRunner(loaded).step(chunks, all_logits=True)
+    runner = ResidentRunner(loaded)
+    ctx = runner.context(chunks, all_logits=True)
+    ctx.padding_rows = torch.tensor([False] * 5 + [True] * 2)
+    routed = []
+    ctx.on_routing = lambda layer, hidden, topk_ids: routed.append(topk_ids.clone())
+    input_ids = torch.tensor([t for toks in chunks.values() for t in toks])
+    with torch.no_grad():
+        padded = loaded.model(input_ids, ctx)
+    assert routed and all(torch.equal(ids[5:], ids[:1].expand(2, -1)) for ids in routed)
+    torch.testing.assert_close(padded[:5], plain[:5])
+
+
 def test_module_holds_no_routed_experts(loaded):
     names = [name for name, _ in loaded.model.named_parameters()]
     assert not any(".experts." in n for n in names)

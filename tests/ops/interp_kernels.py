@@ -49,6 +49,21 @@ def test_paged_moe_skips_experts_not_in_the_pool():
         torch.testing.assert_close(out, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(1, 8, 2), (17, 8, 2), (130, 60, 4)])
+def test_paged_moe_reads_host_copies_of_experts_not_in_the_pool(num_tokens, num_experts, top_k):
+    """Experts at -1 read from host tensors ([E, F, D] gate and up, [E, D, F] down) give what the pool gives."""
+    case = moe_case(num_tokens, num_experts, top_k, num_features=40, hidden_size=72, seed=num_tokens)
+    ref = reference.paged_moe(*case.args())
+    pages = case.page_table.long()
+    host = tuple(case.expert_view[pages[:, m]].view(num_experts, *shape).clone()
+                 for m, shape in enumerate([(40, 72), (40, 72), (72, 40)]))  # fmt: skip
+    absent = torch.randperm(num_experts, generator=torch.Generator().manual_seed(1))[: num_experts // 2]
+    case.page_table[absent] = -1
+    case.expert_view[pages[absent].flatten()] = float("nan")  # their pool pages must not be read any more
+    for tri in (reference.paged_moe(*case.args(), host), paged_moe_triton(*case.args(), config=SMALL, host=host)):
+        torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("block_m", [16, 32])
 def test_paged_moe_identity_and_tiles(block_m):
     case = moe_case(33, 8, 2, num_features=40, hidden_size=72, identity=True)
