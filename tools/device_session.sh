@@ -16,6 +16,8 @@
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
 #   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE,
 #             one process (tools/bench_sweep.py); records and logs in $OUT/scenario-r$RATE.tar.gz
+#   direct    tools/bench_direct_reads.py (the MoE op reading host experts in place against copying them), then
+#             fixed-8 and elastic-8 with --expert-reads direct at $RATE; $OUT/direct-r$RATE.tar.gz
 #   shift     the same with a stream whose prompts move to the other half of the vocabulary halfway
 #             (tools/shift_stream.py, dummy weights with --router-regimes 2, ranking profiled on the first half):
 #             fixed-8, elastic-8 and cost-8 (whose swaps follow the shift); $OUT/shift-r$RATE.tar.gz
@@ -65,31 +67,41 @@ serve() {
   kill -TERM $server; wait $server
 }
 
-scenario() {
-  local dir="$OUT/scenario-r$RATE" skew="--router-skew ${SKEW:-1.0}"
-  python tools/bench_sweep.py "$MODEL" --out-dir "$dir" \
-    --common "--stream $STREAM --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]}" \
-    --profile "${DUMMY[*]} $skew --workload $STREAM --num-prompts 64 --max-tokens 8 --expert-policy resident" \
-    --run resident="--expert-policy resident" --run fixed8="--expert-policy fixed --offload-per-layer 8" \
-    --run elastic8="--expert-policy elastic --expert-offload-limit 8" \
-    --run cost8="--expert-policy elastic --expert-offload-limit 8 --adjuster cost"
-  cp "$MODEL/expert_ranking.json" "$dir/" 2>/dev/null
+# sweep NAME STREAM RANKING SKEW_FLAGS RUN...: one bench_sweep process (the checkpoint loaded once), then the
+# throughput lines, and every record and log in $OUT/NAME.tar.gz (8 files at most come back)
+sweep() {
+  local name=$1 stream=$2 ranking=$3 skew=$4; shift 4
+  local dir="$OUT/$name" runs=()
+  for run in "$@"; do runs+=(--run "$run"); done
+  python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$ranking" \
+    --common "--stream $stream --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]}" \
+    --profile "${DUMMY[*]} $skew --workload $stream --num-prompts 64 --max-tokens 8 --expert-policy resident" "${runs[@]}"
+  cp "$ranking" "$dir/" 2>/dev/null
   for log in "$dir"/*.log; do echo "$(basename "$log") $(grep -m1 -h output_tokens_per_s "$log")"; done
-  tar -czf "$dir.tar.gz" -C "$OUT" "$(basename "$dir")" && rm -r "$dir"  # 8 files at most come back
+  tar -czf "$dir.tar.gz" -C "$OUT" "$name" && rm -r "$dir"
+}
+
+FIXED8="fixed8=--expert-policy fixed --offload-per-layer 8"
+ELASTIC8="elastic8=--expert-policy elastic --expert-offload-limit 8"
+COST8="cost8=--expert-policy elastic --expert-offload-limit 8 --adjuster cost"
+
+scenario() {
+  sweep "scenario-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
+    "resident=--expert-policy resident" "$FIXED8" "$ELASTIC8" "$COST8"
+}
+
+direct() {  # the MoE op reading host experts in place, then fixed-8 and elastic-8 with direct reads at $RATE
+  python tools/bench_direct_reads.py --out "$OUT/direct_reads.json" 2>&1 | tail -18
+  sweep "direct-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
+    "${FIXED8/fixed8=/fixed8-direct=} --expert-reads direct" "${ELASTIC8/elastic8=/elastic8-direct=} --expert-reads direct"
 }
 
 shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjuster issue
-  local dir="$OUT/shift-r$RATE" skew="--router-skew ${SKEW:-1.0} --router-regimes 2" shifted=.bench/stream-shift.jsonl
-  local vocab; vocab=$(python -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
+  local shifted=.bench/stream-shift.jsonl vocab
+  vocab=$(python -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
   python tools/shift_stream.py "$STREAM" --vocab-size "$vocab" > "$shifted"
-  python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$dir/ranking-first-half.json" \
-    --common "--stream $shifted --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]}" \
-    --profile "${DUMMY[*]} $skew --workload $shifted --num-prompts 64 --max-tokens 8 --expert-policy resident" \
-    --run fixed8="--expert-policy fixed --offload-per-layer 8" \
-    --run elastic8="--expert-policy elastic --expert-offload-limit 8" \
-    --run cost8="--expert-policy elastic --expert-offload-limit 8 --adjuster cost"
-  for log in "$dir"/*.log; do echo "$(basename "$log") $(grep -m1 -h output_tokens_per_s "$log")"; done
-  tar -czf "$dir.tar.gz" -C "$OUT" "$(basename "$dir")" && rm -r "$dir"
+  sweep "shift-r$RATE" "$shifted" /tmp/ranking-first-half.json "--router-skew ${SKEW:-1.0} --router-regimes 2" \
+    "$FIXED8" "$ELASTIC8" "$COST8"
 }
 
 for job in "$@"; do

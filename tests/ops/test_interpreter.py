@@ -5,6 +5,7 @@ folder may already have imported it, and setting the variable here would leak in
 with the variable set gets fresh, interpreted kernels and leaves this process alone.
 """
 
+import json
 import os
 import subprocess
 import sys
@@ -19,3 +20,15 @@ def test_kernels_under_triton_interpreter():
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
+
+
+def test_direct_reads_benchmark_runs_and_matches_resident(tmp_path):
+    """`tools/bench_direct_reads.py --smoke`: the benchmark behind the direct-read figures cannot rot, and host reads
+    give the resident op's output at every point it times."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "direct.json"
+    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_direct_reads.py"), "--smoke", "--out", str(out)]
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 4 and all(r["equal_to_resident"] for r in rows)
