@@ -18,7 +18,8 @@
 #             one process (tools/bench_sweep.py); records and logs in $OUT/scenario-r$RATE.tar.gz
 #   direct    tools/bench_direct_reads.py (the MoE op reading host experts in place against copying them), then
 #             fixed-8 and elastic-8 with --expert-reads direct at $RATE; $OUT/direct-r$RATE.tar.gz
-#   shift     the same with a stream whose prompts move to the other half of the vocabulary halfway
+#   qwen3     Qwen3-30B-A3B at 40 GiB (weights do not fit): fixed-56, elastic-64, elastic-64 with direct reads
+#   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
 #             (tools/shift_stream.py, dummy weights with --router-regimes 2, ranking profiled on the first half):
 #             fixed-8, elastic-8 and cost-8 (whose swaps follow the shift); $OUT/shift-r$RATE.tar.gz
 set -u
@@ -94,6 +95,14 @@ direct() {  # the MoE op reading host experts in place, then fixed-8 and elastic
   python tools/bench_direct_reads.py --out "$OUT/direct_reads.json" 2>&1 | tail -18
   sweep "direct-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
     "${FIXED8/fixed8=/fixed8-direct=} --expert-reads direct" "${ELASTIC8/elastic8=/elastic8-direct=} --expert-reads direct"
+}
+
+qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40 GiB card
+  # NOTE: the pool holds about 65% of the experts, so at least 48 of each layer's 128 must live on the host
+  local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB
+  sweep "qwen3-40g-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
+    "fixed56=--expert-policy fixed --offload-per-layer 56" "elastic64=--expert-policy elastic --expert-offload-limit 64" \
+    "elastic64-direct=--expert-policy elastic --expert-offload-limit 64 --expert-reads direct"
 }
 
 shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjuster issue
