@@ -87,7 +87,15 @@ class Engine:
                               sizes, capture=self.device.type == "cuda",
                               host_experts=self.expert_manager.host_experts)  # fmt: skip
         start = time.perf_counter()
-        graphs.capture_all(self.config.progress)
+        try:
+            graphs.capture_all(self.config.progress)
+        except RuntimeError as error:  # a driver or kernel that cannot be captured: serve, only slower
+            if self.config.cuda_graphs:  # asked for explicitly: say so loudly
+                raise
+            logger.warning("CUDA graph capture failed (%s); every step runs eagerly (--no-cuda-graphs skips the "
+                           "attempt)", error)  # fmt: skip
+            self.allocator.free("decode-graphs")  # the padding rows' scratch page goes back to the pool
+            return None
         if graphs.capture:
             logger.info("captured decode CUDA graphs for %d batch sizes up to %d in %.1f s",
                         len(sizes), sizes[-1], time.perf_counter() - start)  # fmt: skip

@@ -89,3 +89,22 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
             reached = stats["prefetch_hits"] + stats["prefetch_misses"] if expert_reads == "copy" else stats["direct_reads"]
             assert reached > 0
     assert outputs[True, reads] == outputs[False, "copy"] == outputs[False, reads]
+
+
+def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(family, monkeypatch, caplog):
+    from rimuru.decode_graphs import DecodeGraphs
+    from rimuru.engine import Engine
+
+    folder, prompts, expected = family
+
+    def broken(self, progress=False):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(DecodeGraphs, "capture_all", broken)
+    monkeypatch.setattr(Engine, "_uses_graphs", property(lambda self: True))  # the default on a GPU
+    engine, tokens = run(folder, prompts[:3])
+    assert engine.runner.graphs is None and "every step runs eagerly" in caplog.text
+    assert not engine.allocator.owns("decode-graphs")
+    assert tokens == expected[:3]
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        LLM(folder, progress=False, cuda_graphs=True)
