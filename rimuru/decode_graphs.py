@@ -21,15 +21,19 @@ there are no CUDA graphs) `run` executes the pieces eagerly over the same static
 that to check the padding and the hook on the CPU.
 """
 
+import logging
+import time
 from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
+from rimuru.memory import KV
 from rimuru.models import ForwardContext, QwenMoeForCausalLM
 from rimuru.models.pieces import RoutingPoint, run_pieces
 
 MAX_GRAPH_BATCH = 512
+logger = logging.getLogger("rimuru")
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -37,6 +41,40 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     top = min(max_num_seqs, MAX_GRAPH_BATCH)
     sizes = [s for s in (1, 2, 4) if s < top] + list(range(8, top, 8))
     return sizes + [top]
+
+
+def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
+    """`cuda_graphs`, or by default whether the engine runs on a GPU."""
+    return cuda_graphs if cuda_graphs is not None else device.type == "cuda"
+
+
+def capture_decode_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, max_pages: int, max_num_seqs: int,
+                          cuda_graphs: bool | None, progress: bool) -> "DecodeGraphs | None":  # fmt: skip
+    """The engine's decode graphs, captured, with their scratch KV page reserved from `allocator` for good; None
+    when not wanted, or when a capture nobody asked for explicitly fails (a warning says so; steps run eagerly)."""
+    device = pool.device
+    if not graphs_wanted(cuda_graphs, device):
+        return None
+    page_ids = allocator.allocate("decode-graphs", 1, KV)
+    if page_ids is None:
+        raise ValueError("the pool has no KV page left for the CUDA graphs' padding rows; raise gpu_memory_budget")
+    sizes = graph_batch_sizes(max_num_seqs)
+    graphs = DecodeGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, max_pages,
+                          page_ids[0], sizes, capture=device.type == "cuda", host_experts=experts.host_experts)
+    start = time.perf_counter()
+    try:
+        graphs.capture_all(progress)
+    except RuntimeError as error:  # a driver or kernel that cannot be captured: serve, only slower
+        if cuda_graphs:  # asked for explicitly: say so loudly
+            raise
+        logger.warning("CUDA graph capture failed (%s); every step runs eagerly (--no-cuda-graphs skips the "
+                       "attempt)", error)  # fmt: skip
+        allocator.free("decode-graphs")  # the padding rows' scratch page goes back to the pool
+        return None
+    if graphs.capture:
+        logger.info("captured decode CUDA graphs for %d batch sizes up to %d in %.1f s",
+                    len(sizes), sizes[-1], time.perf_counter() - start)  # fmt: skip
+    return graphs
 
 
 @dataclass

@@ -16,7 +16,7 @@ import torch
 from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds
-from rimuru.decode_graphs import DecodeGraphs, graph_batch_sizes
+from rimuru.decode_graphs import capture_decode_graphs, graph_batch_sizes, graphs_wanted
 from rimuru.expert_manager import ExpertManager
 from rimuru.expert_placement import check_budget, initial_offload
 from rimuru.expert_ranking import find_ranking
@@ -51,55 +51,21 @@ class Engine:
         self._place_experts(folder)
         self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
                                        config.max_num_seqs, config.max_model_len)  # fmt: skip
-        self._graph_scratch_page = self._reserve_graph_scratch()
+        self.graphs = capture_decode_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
+                                            self.kv_cache.max_pages, config.max_num_seqs, config.cuda_graphs,
+                                            config.progress)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
-                                  self._decode_graphs())  # fmt: skip
+                                  self.graphs)  # fmt: skip
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.tokenizer = _load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, _eos_token_ids(folder, self.model_config))
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.peak_running = 0  # most requests running at once so far
-
-    @property
-    def _uses_graphs(self) -> bool:
-        return self.config.cuda_graphs if self.config.cuda_graphs is not None else self.device.type == "cuda"
-
-    def _reserve_graph_scratch(self) -> int | None:
-        """The KV page a CUDA graph's padding rows write to (`rimuru.decode_graphs`), held for the engine's life."""
-        if not self._uses_graphs:
-            return None
-        page_ids = self.allocator.allocate("decode-graphs", 1, KV)
-        if page_ids is None:
-            raise ValueError("the pool has no KV page left for the CUDA graphs' padding rows; raise gpu_memory_budget")
-        return page_ids[0]
-
-    def _decode_graphs(self) -> DecodeGraphs | None:
-        if self._graph_scratch_page is None:
-            return None
-        sizes = graph_batch_sizes(self.config.max_num_seqs)
-        graphs = DecodeGraphs(self.loaded.model, self.pool.kv_view(), self.experts.expert_view,
-                              self.expert_manager.working_tables, self.kv_cache.max_pages, self._graph_scratch_page,
-                              sizes, capture=self.device.type == "cuda",
-                              host_experts=self.expert_manager.host_experts)  # fmt: skip
-        start = time.perf_counter()
-        try:
-            graphs.capture_all(self.config.progress)
-        except RuntimeError as error:  # a driver or kernel that cannot be captured: serve, only slower
-            if self.config.cuda_graphs:  # asked for explicitly: say so loudly
-                raise
-            logger.warning("CUDA graph capture failed (%s); every step runs eagerly (--no-cuda-graphs skips the "
-                           "attempt)", error)  # fmt: skip
-            self.allocator.free("decode-graphs")  # the padding rows' scratch page goes back to the pool
-            return None
-        if graphs.capture:
-            logger.info("captured decode CUDA graphs for %d batch sizes up to %d in %.1f s",
-                        len(sizes), sizes[-1], time.perf_counter() - start)  # fmt: skip
-        return graphs
 
     def _fit_max_model_len(self, requested: int | None) -> None:
         """Make sure one sequence of max_model_len tokens fits the pool (once the adjuster evicted all it may), so a
@@ -125,7 +91,8 @@ class Engine:
             logger.warning(note)
         weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
         expert_bytes = len(mc.moe_layer_ids) * mc.num_experts * 3 * sizes.expert_page_bytes
-        graph_seqs = graph_batch_sizes(cfg.max_num_seqs)[-1] if self._uses_graphs and self.device.type == "cuda" else 0
+        on_gpu = self.device.type == "cuda" and graphs_wanted(cfg.cuda_graphs, self.device)  # graphs' own memory pool
+        graph_seqs = graph_batch_sizes(cfg.max_num_seqs)[-1] if on_gpu else 0
         self.memory_plan = plan_memory(mc, self.device, cfg.dtype, cfg.gpu_memory_budget, weights, expert_bytes,
                                        cfg.max_num_batched_tokens, cfg.max_num_seqs, graph_seqs)  # fmt: skip
         self.pool = MemoryPool(sizes, self.memory_plan.pool_bytes, self.device)

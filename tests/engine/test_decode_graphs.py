@@ -92,16 +92,15 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
 
 
 def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(family, monkeypatch, caplog):
-    from rimuru.decode_graphs import DecodeGraphs
-    from rimuru.engine import Engine
+    import rimuru.decode_graphs
 
     folder, prompts, expected = family
 
     def broken(self, progress=False):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(DecodeGraphs, "capture_all", broken)
-    monkeypatch.setattr(Engine, "_uses_graphs", property(lambda self: True))  # the default on a GPU
+    monkeypatch.setattr(rimuru.decode_graphs.DecodeGraphs, "capture_all", broken)
+    monkeypatch.setattr(rimuru.decode_graphs, "graphs_wanted", lambda cuda_graphs, device: True)  # a GPU's default
     engine, tokens = run(folder, prompts[:3])
     assert engine.runner.graphs is None and "every step runs eagerly" in caplog.text
     assert not engine.allocator.owns("decode-graphs")
