@@ -116,6 +116,7 @@ shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjus
 }
 
 cache() {  # last in a call: Triton's compiled kernels, to unpack into .triton-cache here and carry next time
+  [ -d "$TRITON_CACHE_DIR" ] || { echo "no Triton cache at $TRITON_CACHE_DIR"; return; }
   tar -czf "$OUT/triton-cache.tar.gz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tar.gz"
 }
 
