@@ -10,6 +10,7 @@ import torch
 
 import rimuru.ops.paged_attention  # noqa: F401  (registers rimuru::paged_attention)
 import rimuru.ops.paged_moe  # noqa: F401  (registers rimuru::paged_moe)
+import rimuru.ops.rms_norm  # noqa: F401  (registers rimuru::rms_norm)
 import rimuru.ops.write_kv  # noqa: F401  (registers rimuru::write_kv)
 
 
@@ -26,6 +27,11 @@ def paged_moe(
     `rimuru.ops.reference.paged_moe`."""
     return torch.ops.rimuru.paged_moe(hidden, expert_view, page_table, topk_ids, topk_weights, num_features,
                                       *(host or (None, None, None)))  # fmt: skip
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # x [..., N], weight [N]
+    """RMSNorm over the last dimension in one kernel; see `rimuru.ops.reference.rms_norm`."""
+    return torch.ops.rimuru.rms_norm(x, weight, eps)
 
 
 def write_kv(
@@ -50,4 +56,4 @@ def paged_attention(
     return torch.ops.rimuru.paged_attention(query, kv_view, page_table, seq_lens, query_start_loc, scale)
 
 
-__all__ = ["paged_attention", "paged_moe", "write_kv"]
+__all__ = ["paged_attention", "paged_moe", "rms_norm", "write_kv"]

@@ -48,6 +48,13 @@ def paged_moe(
     return out.to(hidden.dtype)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # x [..., N], weight [N]
+    """transformers' Qwen RMSNorm: normalised in fp32, rounded to x's dtype, then scaled by the weight."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * h.to(x.dtype)
+
+
 def write_kv(
     key: torch.Tensor,  # [T, Hk, Dh]
     value: torch.Tensor,  # [T, Hk, Dh]

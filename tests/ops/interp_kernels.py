@@ -20,6 +20,7 @@ from rimuru.ops import reference  # noqa: E402
 from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton  # noqa: E402
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
+from rimuru.ops.rms_norm import rms_norm_triton  # noqa: E402
 from rimuru.ops.write_kv import write_kv_triton  # noqa: E402
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
@@ -163,3 +164,12 @@ def test_align_tokens_layout(num_pairs, num_experts, block_m):
     experts_of_rows = block_expert.repeat_interleave(block_m)[: int(num_padded)]
     assert (experts_of_rows[rows < num_pairs] == topk_ids.flatten()[real]).all()
     assert (block_expert[int(num_padded) // block_m:] == num_experts).all()
+
+
+@pytest.mark.parametrize("shape", [(1, 72), (3, 24), (130, 2048), (5, 4, 17)])
+def test_rms_norm(shape):
+    x, weight = torch.randn(*shape) * 3, torch.randn(shape[-1])
+    ref = reference.rms_norm(x, weight, 1e-6)
+    tri = rms_norm_triton(x, weight, 1e-6)
+    assert tri.shape == ref.shape
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)

@@ -71,6 +71,17 @@ def test_split_kv_decode_bf16(num_heads, num_kv_heads, num_splits):
     assert rel_err(tri, ref) < 1e-2
 
 
+@pytest.mark.parametrize("shape", [(1, 2048), (300, 2048), (77, 32, 128), (5, 136)])
+def test_rms_norm_bf16(shape):
+    x = torch.randn(*shape, device="cuda").to(torch.bfloat16)
+    weight = torch.randn(shape[-1], device="cuda").to(torch.bfloat16)
+    ref = reference.rms_norm(x.float(), weight.float(), 1e-6)
+    poison_allocator()
+    tri = ops.rms_norm(x, weight, 1e-6)
+    assert tri.dtype == torch.bfloat16 and rel_err(tri, ref) < 1e-2
+    assert (tri.float() - reference.rms_norm(x, weight, 1e-6).float()).abs().max() <= 0.0625  # torch's bf16 form
+
+
 def test_write_kv_bf16_exact():
     case = attention_case([(0, 0)], 4, 4, 128, 16, torch.bfloat16, "cuda", spare_pages=8)
     key, value = torch.randn(2, 40, 4, 128, device="cuda", dtype=torch.bfloat16).unbind(0)

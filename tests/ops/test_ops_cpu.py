@@ -34,6 +34,21 @@ def test_opcheck_paged_attention():
     torch.library.opcheck(torch.ops.rimuru.paged_attention.default, att.args())
 
 
+def test_opcheck_rms_norm():
+    torch.library.opcheck(torch.ops.rimuru.rms_norm.default, (torch.randn(5, 3, 24), torch.randn(24), 1e-6))
+
+
+def test_rms_norm_matches_transformers():
+    """The reference is transformers' Qwen2/Qwen3 RMSNorm, to the bit, in fp32 and bf16."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
+
+    for dtype in (torch.float32, torch.bfloat16):
+        norm = Qwen3MoeRMSNorm(72, eps=1e-6).to(dtype)
+        torch.nn.init.normal_(norm.weight)
+        x = torch.randn(9, 72).to(dtype)
+        assert torch.equal(ops.rms_norm(x, norm.weight.detach(), 1e-6), norm(x).detach())
+
+
 def test_opcheck_write_kv():
     kv_view = torch.randn(6, 2, 4, 2, 8)
     key, value = torch.randn(2, 3, 2, 8).unbind(0)
