@@ -11,10 +11,10 @@ Padding rows are decodes of token 0 at position 0 with a single K/V slot in a sc
 graphs, so they write into and read from no request's pages, and they route like row 0 (`padding_rows`), so they
 touch no expert a real token does not:
 
-    rows      | 0 .. B-1: the batch             | B .. size-1: padding                 |
-    seq_len   | the request's                   | 1                                    |
-    pages     | the request's KV page table     | [scratch, stale...] (only page 0 read) |
-    slot      | the new token's K/V slot         | scratch * page_tokens                |
+    rows      | 0 .. B-1: the batch                 | B .. size-1: padding         |
+    seq_len   | the request's                       | 1                            |
+    pages     | its row of the device page tables   | scratch everywhere           |
+    slot      | the new token's K/V slot            | scratch * page_tokens        |
 
 Prefill chunks, mixed batches and batches above the largest size run eagerly. Without `capture` (CPU, where
 there are no CUDA graphs) `run` executes the pieces eagerly over the same static, padded buffers: the tests use
@@ -30,7 +30,7 @@ from tqdm import tqdm
 
 from rimuru.memory import KV
 from rimuru.models import ForwardContext, QwenMoeForCausalLM
-from rimuru.models.pieces import RoutingPoint, run_pieces
+from rimuru.models.pieces import Pieces, RoutingPoint, run_pieces
 
 MAX_GRAPH_BATCH = 512
 logger = logging.getLogger("rimuru")
@@ -48,18 +48,19 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
     return cuda_graphs if cuda_graphs is not None else device.type == "cuda"
 
 
-def capture_decode_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, max_pages: int, max_num_seqs: int,
-                          cuda_graphs: bool | None, progress: bool) -> "DecodeGraphs | None":  # fmt: skip
+def capture_decode_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
+                          max_num_seqs: int, cuda_graphs: bool | None, progress: bool) -> "DecodeGraphs | None":  # fmt: skip
     """The engine's decode graphs, captured, with their scratch KV page reserved from `allocator` for good; None
     when not wanted, or when a capture nobody asked for explicitly fails (a warning says so; steps run eagerly)."""
     device = pool.device
     if not graphs_wanted(cuda_graphs, device):
         return None
+    assert kv_tables is not None, "CUDA graphs gather the KV page tables from the KV cache's device copy"
     page_ids = allocator.allocate("decode-graphs", 1, KV)
     if page_ids is None:
         raise ValueError("the pool has no KV page left for the CUDA graphs' padding rows; raise gpu_memory_budget")
     sizes = graph_batch_sizes(max_num_seqs)
-    graphs = DecodeGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, max_pages,
+    graphs = DecodeGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
                           page_ids[0], sizes, capture=device.type == "cuda", host_experts=experts.host_experts)
     start = time.perf_counter()
     try:
@@ -85,22 +86,21 @@ class _Captured:
 
 class DecodeGraphs:
     def __init__(self, model: QwenMoeForCausalLM, kv_view: torch.Tensor, expert_view: torch.Tensor,
-                 expert_tables: torch.Tensor, max_pages: int, scratch_page: int, batch_sizes: list[int],
+                 expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
                  capture: bool, host_experts: dict | None = None):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
+        self.kv_tables = kv_tables  # [L, slots, P] the KV cache's page tables on the device, kept up to date by it
         self.host_experts = host_experts  # pinned: fixed addresses the graphs may read (expert_reads="direct")
         self.batch_sizes, self.capture = sorted(batch_sizes), capture
         self.scratch_page, self.page_tokens = scratch_page, kv_view.shape[2]
-        dev, top, num_layers = kv_view.device, self.batch_sizes[-1], model.config.num_hidden_layers
+        dev, top = kv_view.device, self.batch_sizes[-1]
         self.input_ids = torch.zeros(top, dtype=torch.int64, device=dev)
         self.positions = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.slots = torch.zeros(top, dtype=torch.int64, device=dev)  # each row's request in `kv_tables`
         self.seq_lens = torch.ones(top, dtype=torch.int32, device=dev)
         self.padding_rows = torch.ones(top, dtype=torch.bool, device=dev)
         self.query_start_loc = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one token a request
-        self.logits_indices = torch.arange(top, dtype=torch.int64, device=dev)
-        self.kv_page_tables = torch.full((num_layers, top, max_pages), scratch_page, dtype=torch.int32, device=dev)
-        self.slot_mappings = torch.full((num_layers, top), scratch_page * self.page_tokens, dtype=torch.int64,
-                                        device=dev)  # fmt: skip
+        self.logits_indices = torch.arange(top, dtype=torch.int64, device=dev)  # also: row ids
         # NOTE: every size's graphs write their outputs into these shared buffers (the last piece also converts the
         # logits to fp32, which the sampler does anyway): outputs kept per size would hold 1.8 GB of a 30 GiB budget
         # for Qwen1.5-MoE (35 sizes x (logits + router inputs)). Each step reads them before the next replay.
@@ -128,7 +128,7 @@ class DecodeGraphs:
                      unit="size", disable=not progress)  # fmt: skip
         for size in sizes:
             self._write_padding(0, size)
-            run_pieces(self.model.steps(self.input_ids[:size], self._context(size)), None)  # compiles the kernels
+            run_pieces(self._pieces(size), None)  # compiles the kernels
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self.captured[size] = self._capture(size, pool)
@@ -146,7 +146,7 @@ class DecodeGraphs:
     def _capture(self, size: int, pool) -> _Captured:
         # NOTE: capture_begin/end rather than `torch.cuda.graph`, which collects garbage around each of the
         # (sizes x MoE layers) captures.
-        pieces = self.model.steps(self.input_ids[:size], self._context(size))
+        pieces = self._pieces(size)
         graphs, points = [], []
         while True:
             graph = torch.cuda.CUDAGraph()
@@ -185,7 +185,7 @@ class DecodeGraphs:
 
         hook = hook if on_routing is not None else None
         if not self.capture:
-            return run_pieces(self.model.steps(self.input_ids[:size], self._context(size)), hook)[:num_requests]
+            return run_pieces(self._pieces(size), hook)[:num_requests]
         captured = self.captured[size]
         for graph, point in zip(captured.graphs, captured.points + [None]):
             graph.replay()
@@ -194,13 +194,13 @@ class DecodeGraphs:
         return self.logits[:num_requests]
 
     def _write_inputs(self, inputs) -> None:
-        num_requests, num_pages = inputs.kv_page_tables.shape[1:]
+        """The batch's rows: four small host -> device copies (the page tables are gathered in the graph)."""
+        num_requests = len(inputs.seq_lens)
         self.input_ids[:num_requests].copy_(inputs.input_ids, non_blocking=True)
         self.positions[:num_requests].copy_(inputs.positions, non_blocking=True)
+        self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
         self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
         self.padding_rows[:num_requests] = False
-        self.kv_page_tables[:, :num_requests, :num_pages].copy_(inputs.kv_page_tables, non_blocking=True)
-        self.slot_mappings[:, :num_requests].copy_(inputs.slot_mappings, non_blocking=True)
 
     def _write_padding(self, start: int, end: int) -> None:
         """Rows [start, end) become padding rows (see the module docstring)."""
@@ -210,20 +210,25 @@ class DecodeGraphs:
         self.positions[start:end] = 0
         self.seq_lens[start:end] = 1
         self.padding_rows[start:end] = True
-        self.kv_page_tables[:, start:end, 0] = self.scratch_page
-        self.slot_mappings[:, start:end] = self.scratch_page * self.page_tokens
 
-    def _context(self, size: int) -> ForwardContext:
-        return ForwardContext(
-            positions=self.positions[:size],
+    def _pieces(self, size: int) -> Pieces:
+        """The pass over the first `size` rows. Its first piece gathers the rows' KV page tables and slot mappings
+        from the device tables (padding rows get the scratch page), so a step copies no tables."""
+        rows, positions, padding = self.logits_indices[:size], self.positions[:size], self.padding_rows[:size]
+        tables = self.kv_tables.index_select(1, self.slots[:size])  # [L, size, P]
+        tables = torch.where(padding[None, :, None], self.scratch_page, tables)
+        pages = tables[:, rows, positions // self.page_tokens].long()  # [L, size]
+        ctx = ForwardContext(
+            positions=positions,
             query_start_loc=self.query_start_loc[: size + 1],
             seq_lens=self.seq_lens[:size],
-            kv_page_tables=self.kv_page_tables[:, :size],
-            slot_mappings=self.slot_mappings[:, :size],
+            kv_page_tables=tables,
+            slot_mappings=pages * self.page_tokens + positions % self.page_tokens,
             expert_page_tables=self.expert_tables,
             kv_view=self.kv_view,
             expert_view=self.expert_view,
-            logits_indices=self.logits_indices[:size],
+            logits_indices=rows,
             host_experts=self.host_experts,
-            padding_rows=self.padding_rows[:size],
+            padding_rows=padding,
         )
+        return (yield from self.model.steps(self.input_ids[:size], ctx))

@@ -49,10 +49,11 @@ class Engine:
         self.model_config = self.loaded.config
         self._build_pool()
         self._place_experts(folder)
+        device_tables = self.device if graphs_wanted(config.cuda_graphs, self.device) else None  # graphs gather there
         self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
-                                       config.max_num_seqs, config.max_model_len)  # fmt: skip
+                                       config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
         self.graphs = capture_decode_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
-                                            self.kv_cache.max_pages, config.max_num_seqs, config.cuda_graphs,
+                                            self.kv_cache.device_tables, config.max_num_seqs, config.cuda_graphs,
                                             config.progress)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         config = self.config

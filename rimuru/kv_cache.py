@@ -6,7 +6,8 @@ A request holds the same number of pages in every layer. New pages are asked of 
     ids = [a0 a1 ... a(L-1) | b0 b1 ... b(L-1)]   ->   layer l gets page a_l, then b_l
     tables[l, slot, i] = page id of the request's i-th page in layer l  (-1 beyond)
 
-The tables live in one host tensor indexed by a per-request slot, so a batch's tables are a single gather.
+The tables live in one host tensor indexed by a per-request slot, so a batch's tables are a single gather; with
+`device_copy` the same tables are kept on the device too (CUDA graphs gather a batch's rows there).
 """
 
 import torch
@@ -15,11 +16,14 @@ from rimuru.memory import KV, PageAllocator
 
 
 class KVCacheManager:
-    def __init__(self, allocator: PageAllocator, num_layers: int, page_tokens: int, max_slots: int, max_model_len: int):
+    def __init__(self, allocator: PageAllocator, num_layers: int, page_tokens: int, max_slots: int, max_model_len: int,
+                 device_copy: torch.device | None = None):  # fmt: skip
         self.allocator = allocator
         self.num_layers, self.page_tokens = num_layers, page_tokens
         self.max_pages = -(-max_model_len // page_tokens)
         self.tables = torch.full((num_layers, max_slots, self.max_pages), -1, dtype=torch.int32)  # [L, slots, P]
+        # the same tables on the device, kept equal page by page, for CUDA graphs that gather them there; None: none
+        self.device_tables = None if device_copy is None else self.tables.to(device_copy, copy=True)
         self._free_slots = list(range(max_slots - 1, -1, -1))
         self._slot: dict[str, int] = {}
         self._num_pages: dict[str, int] = {}  # pages per layer held by each request
@@ -49,6 +53,8 @@ class KVCacheManager:
         per_layer = num_new // self.num_layers
         block = torch.tensor(page_ids, dtype=torch.int32).view(per_layer, self.num_layers)  # [new, L]
         self.tables[:, slot, have : have + per_layer] = block.T
+        if self.device_tables is not None:
+            self.device_tables[:, slot, have : have + per_layer] = block.T.to(self.device_tables.device)
         self._num_pages[request_id] = have + per_layer
         return True
 
@@ -58,7 +64,10 @@ class KVCacheManager:
         if slot is None:
             return
         self.allocator.free(request_id)
-        self.tables[:, slot, : self._num_pages.pop(request_id)] = -1
+        num_pages = self._num_pages.pop(request_id)
+        self.tables[:, slot, :num_pages] = -1
+        if self.device_tables is not None:
+            self.device_tables[:, slot, :num_pages] = -1
         self._free_slots.append(slot)
 
     def tokens_in(self, num_small_pages: int) -> int:

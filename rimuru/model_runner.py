@@ -1,8 +1,9 @@
 """`ModelRunner`: turns a `ScheduledBatch` into the model's `ForwardContext`, runs the forward pass, returns logits.
 
-Builds every per-step tensor on the host with a few vectorised gathers from the KV cache's page tables
-(no per-layer Python loops), then moves them to the device in one go, or, for a decode-only batch that the
-`DecodeGraphs` hold, into their static buffers for a graph replay.
+Builds the step's rows on the host; an eager pass then gathers the KV page tables and slot mappings from the KV
+cache's host tables (a few vectorised gathers, no per-layer Python loops) and moves everything to the device, while
+a decode-only batch that the `DecodeGraphs` hold copies only its rows into their static buffers: the graphs gather
+the page tables from the KV cache's device copy themselves.
 """
 
 from dataclasses import dataclass
@@ -18,14 +19,13 @@ from rimuru.scheduler import ScheduledBatch
 
 @dataclass
 class StepInputs:
-    """One step's model inputs on the host. T tokens, B requests, B' sampled rows, L layers, P' pages."""
+    """One step's model inputs on the host. T tokens, B requests, B' sampled rows."""
 
     input_ids: torch.Tensor  # [T] int64
     positions: torch.Tensor  # [T] int64
+    slots: torch.Tensor  # [B] int64, each request's row of the KV cache's page tables
     query_start_loc: torch.Tensor  # [B + 1] int32
     seq_lens: torch.Tensor  # [B] int32
-    kv_page_tables: torch.Tensor  # [L, B, P'] int32, P' = pages of the longest request
-    slot_mappings: torch.Tensor  # [L, T] int64
     logits_indices: torch.Tensor  # [B'] int64
     sample_rows: list[int]  # batch rows of the B' logits
 
@@ -55,6 +55,7 @@ class ModelRunner:
         return logits.float(), inputs.sample_rows
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
+        """The step's rows (no page tables: graphs gather them on the device, `context` on the host)."""
         tokens, positions, slots, starts, seq_lens, sample_rows, logits_indices = [], [], [], [0], [], [], []
         for row, (request, num_new) in enumerate(zip(batch.requests, batch.num_new_tokens)):
             start = request.num_computed_tokens
@@ -66,37 +67,38 @@ class ModelRunner:
             if start + num_new == request.num_tokens:  # every known token computed: sample the next one
                 sample_rows.append(row)
                 logits_indices.append(starts[-1] - 1)
-        positions_t = torch.tensor(positions, dtype=torch.int64)  # [T]
-        slots_t = torch.tensor(slots, dtype=torch.int64)  # [B]
-        if len(positions) == len(slots):  # one token a request (decode): no repeat needed
-            token_slots = slots_t  # [T]
-        else:
-            token_slots = torch.repeat_interleave(slots_t, torch.tensor(batch.num_new_tokens))  # [T]
-        page_tokens = self.kv_cache.page_tokens
-        tables = self.kv_cache.tables  # [L, slots, P]
-        pages = tables[:, token_slots, positions_t // page_tokens].long()  # [L, T]
-        max_pages = -(-max(seq_lens) // page_tokens)
         return StepInputs(
             input_ids=torch.tensor(tokens, dtype=torch.int64),
-            positions=positions_t,
+            positions=torch.tensor(positions, dtype=torch.int64),
+            slots=torch.tensor(slots, dtype=torch.int64),
             query_start_loc=torch.tensor(starts, dtype=torch.int32),
             seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            kv_page_tables=tables[:, slots_t, :max_pages],  # [L, B, P']
-            slot_mappings=pages * page_tokens + positions_t % page_tokens,  # [L, T]
             logits_indices=torch.tensor(logits_indices, dtype=torch.int64),
             sample_rows=sample_rows,
         )
+
+    def page_tables(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
+        """(KV page tables [L, B, P'] of the batch's requests, P' = pages of the longest; slot mappings [L, T]),
+        gathered on the host from the KV cache's tables."""
+        page_tokens, tables = self.kv_cache.page_tokens, self.kv_cache.tables  # tables [L, slots, P]
+        token_slots = inputs.slots  # [T]: one token a request (decode)
+        if len(inputs.input_ids) != len(inputs.slots):
+            token_slots = inputs.slots.repeat_interleave(inputs.query_start_loc.diff())
+        pages = tables[:, token_slots, inputs.positions // page_tokens].long()  # [L, T]
+        max_pages = -(-int(inputs.seq_lens.max()) // page_tokens)
+        return tables[:, inputs.slots, :max_pages], pages * page_tokens + inputs.positions % page_tokens
 
     def context(self, inputs: StepInputs) -> ForwardContext:
         """The eager pass's context: every input moved to the device."""
         dev = self.device
         tables, hook = self.experts.pass_routing()
+        kv_page_tables, slot_mappings = self.page_tables(inputs)
         return ForwardContext(
             positions=inputs.positions.to(dev, non_blocking=True),
             query_start_loc=inputs.query_start_loc.to(dev, non_blocking=True),
             seq_lens=inputs.seq_lens.to(dev, non_blocking=True),
-            kv_page_tables=inputs.kv_page_tables.to(dev, non_blocking=True),
-            slot_mappings=inputs.slot_mappings.to(dev, non_blocking=True),
+            kv_page_tables=kv_page_tables.to(dev, non_blocking=True),
+            slot_mappings=slot_mappings.to(dev, non_blocking=True),
             expert_page_tables=tables,
             kv_view=self.kv_view,
             expert_view=self.experts.store.expert_view,

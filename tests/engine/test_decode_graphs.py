@@ -31,6 +31,7 @@ def record_hook_rows(engine) -> list[tuple[int, int]]:
         hook(layer, hidden, topk_ids)
 
     def run(inputs, on_routing_):
+        assert torch.equal(engine.kv_cache.device_tables, engine.kv_cache.tables)  # the copy the graphs gather from
         current[0] = len(inputs.seq_lens)
         try:
             return run_graph(inputs, on_routing_)
@@ -93,6 +94,7 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
 
 def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(family, monkeypatch, caplog):
     import rimuru.decode_graphs
+    import rimuru.engine
 
     folder, prompts, expected = family
 
@@ -100,7 +102,8 @@ def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(famil
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(rimuru.decode_graphs.DecodeGraphs, "capture_all", broken)
-    monkeypatch.setattr(rimuru.decode_graphs, "graphs_wanted", lambda cuda_graphs, device: True)  # a GPU's default
+    for module in (rimuru.decode_graphs, rimuru.engine):  # what a GPU's default says
+        monkeypatch.setattr(module, "graphs_wanted", lambda cuda_graphs, device: True)
     engine, tokens = run(folder, prompts[:3])
     assert engine.runner.graphs is None and "every step runs eagerly" in caplog.text
     assert not engine.allocator.owns("decode-graphs")
