@@ -227,8 +227,8 @@ class ExpertManager:
         self.stats.prefetched += len(predicted)
 
 
-def _expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:  # topk_ids [T, K] -> [E] int32
-    """Tokens routed to each expert, on the device (`torch.bincount` would wait for the GPU to size its output)."""
+def _expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:  # topk_ids [T, K] -> [E] int64
+    """Tokens routed to each expert, on the device (`torch.bincount` would wait for the GPU to size its output;
+    int64 as in `ExpertPopularity.record`, whose index_add_ has run on the H200)."""
     ids = topk_ids.flatten()
-    ones = torch.ones_like(ids, dtype=torch.int32)
-    return torch.zeros(num_experts, dtype=torch.int32, device=ids.device).index_add_(0, ids, ones)
+    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))
