@@ -24,7 +24,9 @@ class Sampler:
                 if not greedy[row]:
                     tokens[row] = self._sample_row(logits[row], request)
         token_list = tokens.tolist()
-        return token_list, [self._logprobs(logits[row], r, token_list[row]) for row, r in enumerate(requests)]
+        logprobs = [None if r.params.logprobs is None else self._logprobs(logits[row], r, token_list[row])
+                    for row, r in enumerate(requests)]  # fmt: skip
+        return token_list, logprobs
 
     def _sample_row(self, logits: torch.Tensor, request: Request) -> torch.Tensor:  # logits [V]
         params = request.params
@@ -41,9 +43,7 @@ class Sampler:
         return torch.multinomial(probs, 1, generator=generator)[0]
 
     @staticmethod
-    def _logprobs(logits: torch.Tensor, request: Request, token: int) -> dict[int, float] | None:
-        if request.params.logprobs is None:
-            return None
+    def _logprobs(logits: torch.Tensor, request: Request, token: int) -> dict[int, float]:
         logprobs = logits.log_softmax(dim=-1)  # [V]
         top = torch.topk(logprobs, request.params.logprobs) if request.params.logprobs else None
         chosen = {token: float(logprobs[token])}
