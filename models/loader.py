@@ -45,7 +45,8 @@ def from_pretrained(
     """Load a qwen2_moe / qwen3_moe checkpoint from a folder or a Hugging Face repo id.
 
     dtype: defaults to the config's torch_dtype. load_format "auto" reads safetensors; "dummy" reads only
-    config.json and draws random weights (see `rimuru.models.dummy`, which also documents `router_skew` and `router_regimes`).
+    config.json and draws random weights (see `rimuru.models.dummy`, which also documents `router_skew` and
+    `router_regimes`).
     Routed experts end up in `LoadedModel.experts`, never in the module. A repo id is looked up in the Hugging
     Face cache only when HF_HUB_OFFLINE is set.
     """

@@ -5,7 +5,8 @@ kernel reads the page table. `run_pieces` drives a pass eagerly, calling the con
 pause; `rimuru.decode_graphs` captures each piece between two pauses as a CUDA graph and runs the hook between
 replays. Either way the model code is the same, so the two paths compute the same tokens.
 
-    steps():  [embed, attn 0, router 0] | pause 0 | [experts 0, attn 1, router 1] | pause 1 | ... | [experts L-1, lm head]
+    steps():  [embed, attn 0, router 0] | pause 0 | [experts 0, attn 1, router 1] | pause 1 | ...
+              ... | pause L-1 | [experts L-1, final norm, LM head] -> logits
 """
 
 from collections.abc import Callable, Generator

@@ -15,7 +15,8 @@ An expert whose pages are -1 (on the host) contributes zero rows and is never re
 layer's pinned host copies (`host_gate`, `host_up`, `host_down`): then the kernels read that expert there, over the
 host link (device-mapped pinned memory, no copy and no host synchronisation):
 
-    gate/up element (n, k)  ->  host_gate/up + e * F * D + n * D + k        down (n, t)  ->  host_down + e * D * F + n * F + t
+    gate/up element (n, k)  ->  host_gate/up + e * F * D + n * D + k
+    down    element (n, t)  ->  host_down    + e * D * F + n * F + t
 
 Performance (H200, bf16, docs/benchmarks/kernels.md): both GEMMs over Qwen3-30B-A3B experts take 36 us at one token
 (51% of the memory roofline), 285 us at 64 tokens (99%), 788 us at 4096 (51% of the arithmetic roofline); the paged

@@ -50,7 +50,7 @@ class EngineConfig:
     # a routed expert that is on the host: "copy" it into a loading buffer (the hook waits for the router first) or
     # let the expert kernel read its pinned host copy over the host link ("direct": no wait, no loading buffers)
     expert_reads: str = "copy"
-    cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: same path, eager)
+    cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: the same path)
     seed: int = 0
     progress: bool = True
 

@@ -49,7 +49,7 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
 
 
 def capture_decode_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
-                          max_num_seqs: int, cuda_graphs: bool | None, progress: bool) -> "DecodeGraphs | None":  # fmt: skip
+                          max_num_seqs: int, cuda_graphs: bool | None, progress: bool):  # fmt: skip
     """The engine's decode graphs, captured, with their scratch KV page reserved from `allocator` for good; None
     when not wanted, or when a capture nobody asked for explicitly fails (a warning says so; steps run eagerly)."""
     device = pool.device

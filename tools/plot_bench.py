@@ -59,7 +59,8 @@ def plot_hit_rate(records, out_dir: str) -> str:
         width = max(1, len(series) // 50)
         points = []
         for start, end in zip(series[::width], series[width::width]):
-            hits, misses = end["prefetch_hits"] - start["prefetch_hits"], end["prefetch_misses"] - start["prefetch_misses"]
+            hits = end["prefetch_hits"] - start["prefetch_hits"]
+            misses = end["prefetch_misses"] - start["prefetch_misses"]
             if hits + misses:
                 points.append((end["t"], hits / (hits + misses)))
         if points:

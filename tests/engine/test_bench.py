@@ -43,7 +43,8 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
     elastic = records[("elastic", "0")]
     assert elastic["evictions"] > 0 and elastic["bytes_copied"] > 0 and elastic["prefetch_hit_rate"] is not None
     last = elastic["series"][-1]  # the series counts cumulatively what the record sums up
-    assert round(last["prefetch_hits"] / (last["prefetch_hits"] + last["prefetch_misses"]), 4) == elastic["prefetch_hit_rate"]
+    hits, misses = last["prefetch_hits"], last["prefetch_misses"]
+    assert round(hits / (hits + misses), 4) == elastic["prefetch_hit_rate"]
     paths = plot_bench.main([str(tmp_path / "plots")] + [f"{p}={tmp_path / f'{p}-{r}.json'}" for p, r in records])
     assert len(paths) == 6 and all(Path(p).stat().st_size > 10_000 for p in paths)
 
