@@ -11,7 +11,7 @@ from rimuru.cost_adjuster import CostAdjuster, CostThresholds, affordable_evicti
 from rimuru.cost_model import copy_seconds, kv_pages_freed, touch_probability
 from rimuru.expert_ranking import ExpertRanking
 from rimuru.popularity import ExpertPopularity
-from tests.engine.test_experts import budget_for, run
+from tests.engine.test_experts import GREEDY, budget_for, run
 
 # share 0.01, 10 tokens x top-2: P(touched) = 1 - 0.99^20 = 0.182093; 1 MB at 1 GB/s -> 0.182093 ms a step
 SHARE, TOKENS, TOP_K, EXPERT_BYTES = 0.01, 10, 2, 10**6
@@ -188,3 +188,50 @@ def test_swaps_change_speed_never_tokens(family):
     stats = engine.expert_stats
     assert stats["swaps"] > 0 and stats["evictions"] > 0 and stats["prefetch_misses"] > 0
     assert tokens == expected
+
+
+def test_after_a_shift_swaps_bring_the_new_favourites_back_and_the_offline_ranking_does_not(tmp_path):
+    """Dummy weights whose two vocabulary halves favour different experts, a ranking profiled on the first half, then
+    traffic from the second half only: the cost adjuster's online popularity and swaps end with none of the second
+    half's three favourites of any layer on the host; the paper's rule, ordering by the offline ranking, keeps some
+    there. Tokens stay those of all-resident."""
+    import json
+    import random
+
+    from rimuru import LLM
+    from rimuru.models.dummy import regime_rows
+    from rimuru.models.fabricate import tiny_config
+    from rimuru.profiler import profile_experts
+
+    json.dump(tiny_config("qwen3_moe") | {"num_experts": 16}, open(tmp_path / "config.json", "w"))
+    common = dict(load_format="dummy", router_skew=2.0, router_regimes=2, progress=False)
+    first, second = regime_rows(512, 2)
+    rng = random.Random(0)
+
+    def prompts(half, count):
+        return [[rng.randrange(half.start, half.stop) for _ in range(rng.randint(8, 30))] for _ in range(count)]
+
+    resident = LLM(tmp_path, expert_policy="resident", **common)
+    profile_experts(resident.engine, prompts(first, 16), max_tokens=8).save(tmp_path / "ranking.json")
+    shifted = profile_experts(LLM(tmp_path, expert_policy="resident", **common).engine, prompts(second, 16), 8)
+    favourites = {layer: set(shifted.hottest_first(layer)[:3]) for layer in shifted.shares}
+    engine = resident.engine
+    pages = engine.experts.num_expert_pages * 3 // 4 + 2 * 6 * 3 + 16  # a quarter of the experts must leave
+    budget = engine.memory_plan.weights_bytes + engine.memory_plan.activation_bytes
+    budget += pages * engine.pool.sizes.expert_page_bytes
+    traffic = prompts(second, 24)
+    expected = [o.outputs[0].token_ids for o in resident.generate(traffic, GREEDY, use_tqdm=False)]
+    on_host = {}
+    for adjuster in ("cost", "paper"):
+        llm = LLM(tmp_path, expert_policy="elastic", adjuster=adjuster, expert_offload_limit=6, gpu_memory_budget=budget,
+                  expert_ranking=str(tmp_path / "ranking.json"), **common)  # fmt: skip
+        if adjuster == "cost":
+            llm.engine.adjuster.cost.pin(bandwidth=1e15, compute_s=1.0)
+            llm.engine.adjuster.thresholds = replace(llm.engine.adjuster.thresholds, readd_after_rounds=8)
+        assert any(favourites[layer] & experts for layer, experts in llm.engine.experts.offloaded.items())
+        tokens = [o.outputs[0].token_ids for o in llm.generate(traffic, GREEDY, use_tqdm=False)]
+        assert tokens == expected
+        on_host[adjuster] = sum(len(favourites[layer] & e) for layer, e in llm.engine.experts.offloaded.items())
+        if adjuster == "cost":
+            assert llm.engine.expert_stats["swaps"] > 0
+    assert on_host["cost"] == 0 < on_host["paper"]
