@@ -37,6 +37,35 @@ def timed_steps(engine: Engine, steps: int) -> float:
     return (time.perf_counter() - start) / steps
 
 
+def host_phases(engine: Engine, steps: int) -> dict[str, float]:
+    """Host milliseconds a step in each phase (no synchronisation added: `sample` includes the wait for the GPU)."""
+    totals: dict[str, float] = {}
+    manager = engine.expert_manager
+    phases = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "prepare"),
+              (engine, "sampler", "sample (waits for the GPU)"), (engine, "_append", "append and stop checks"),
+              (manager, "begin_step", "expert changes"), (manager, "end_step", "expert changes")]  # fmt: skip
+    originals = [(obj, name, getattr(obj, name)) for obj, name, _ in phases]
+    for (obj, name, label), (_, _, fn) in zip(phases, originals):
+        setattr(obj, name, _timed(fn, label, totals))
+    try:
+        step = timed_steps(engine, steps)
+    finally:
+        for obj, name, fn in originals:
+            setattr(obj, name, fn)
+    return {label: ms / steps for label, ms in totals.items()} | {"whole step": step * 1e3}
+
+
+def _timed(fn, label: str, totals: dict[str, float]):
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            totals[label] = totals.get(label, 0.0) + (time.perf_counter() - start) * 1e3
+
+    return call
+
+
 def _sync() -> None:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
@@ -55,6 +84,8 @@ def main() -> None:
     fill(engine, read_stream(args.stream, args.num_requests))
     timed_steps(engine, 3)  # warm-up
     print(f"decode step, {len(engine.scheduler.running)} running: {timed_steps(engine, args.steps) * 1e3:.2f} ms")
+    for label, ms in host_phases(engine, args.steps).items():
+        print(f"  {label}: {ms:.3f} ms")
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
     with profile(activities=activities) as prof:
         timed_steps(engine, args.steps)
