@@ -32,6 +32,7 @@ part (tools/shift_stream.py) moves every layer's popular experts with them.
 import math
 
 import torch
+from tqdm import tqdm
 
 from rimuru.models.checkpoint import ExpertWeights
 from rimuru.models.config import ModelConfig
@@ -65,10 +66,12 @@ def _residual_std(config: ModelConfig) -> float:
     return config.initializer_range / math.sqrt(2 * config.num_hidden_layers)
 
 
-def dummy_experts(config: ModelConfig, device, dtype, seed: int) -> dict[int, ExpertWeights]:
+def dummy_experts(config: ModelConfig, device, dtype, seed: int, progress: bool = False) -> dict[int, ExpertWeights]:
+    """Every MoE layer's routed experts in (pinned) host memory; a progress bar over the layers with `progress`
+    (Qwen3-30B-A3B's are 58 GB)."""
     gen = torch.Generator(device=device).manual_seed(seed + 1)
     r, experts = config.initializer_range, {}
-    for layer_idx in config.moe_layer_ids:
+    for layer_idx in tqdm(config.moe_layer_ids, desc="Random experts", unit="layer", disable=not progress):
         weights = ExpertWeights.empty(config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype)
         for host, std in zip((weights.gate, weights.up, weights.down), (r, r, _residual_std(config))):
             for chunk in host.split(max(1, host.shape[0] // 8)):  # bounded device scratch

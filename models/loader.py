@@ -59,7 +59,8 @@ def from_pretrained(
     with init_empty_weights():
         model = model_class(config)(config)
     if load_format == "dummy":
-        state, experts = dummy_state(model, config, device, dtype, seed), dummy_experts(config, device, dtype, seed)
+        state, experts = dummy_state(model, config, device, dtype, seed), dummy_experts(config, device, dtype, seed,
+                                                                                        progress)  # fmt: skip
         if router_skew > 0:
             apply_router_skew(state, experts, config, router_skew, seed, router_regimes)
     elif load_format == "auto":
