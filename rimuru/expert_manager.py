@@ -60,6 +60,9 @@ class ExpertManager:
         self.direct = direct  # expert_reads="direct": the kernels read host experts in place, no hook waits
         # what the kernels read for an expert at -1 when direct: each layer's pinned host copies
         self.host_experts = {layer: (w.gate, w.up, w.down) for layer, w in store.host.items()} if direct else None
+        pinned = all(m.is_pinned() for ms in (self.host_experts or {}).values() for m in ms)
+        if direct and store.page_tables.is_cuda and not pinned:
+            raise ValueError("expert_reads='direct' needs the experts in pinned host memory (the GPU reads them there)")
         self._direct_reads = torch.zeros((), dtype=torch.int64, device=store.page_tables.device)
         self.popularity = popularity
         self.routers, self.top_k = routers, top_k  # MoE layer -> router weight [E, D]; experts per token
