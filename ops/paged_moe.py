@@ -104,7 +104,7 @@ def _down_kernel(
         else:
             p_w = p_host_down + i_e * hidden_size * num_features + o_w
     else:
-        if page_down < 0:  # NOTE: an expert not in the pool adds nothing (a CUDA graph's padding rows route there)
+        if page_down < 0:  # NOTE: an expert not in the pool adds nothing and is never read (a safety net)
             b_zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=p_out.dtype.element_ty)
             tl.store(p_y, b_zero, mask=m_m[:, None] & m_n[None, :])
             return

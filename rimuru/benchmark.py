@@ -107,7 +107,7 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
         "evictions": experts["evictions"],
         "additions": experts["additions"],
         "swaps": experts["swaps"],
-        "direct_reads": experts["direct_reads"],  # expert_reads="direct": layer passes reading a host expert in place
+        "direct_reads": experts["direct_reads"],  # expert_reads="direct": host experts read in place, per layer pass
         "bytes_copied": experts["bytes_copied"] - before["bytes_copied"],
         "prefetch_hit_rate": round(experts["prefetch_hits"] / lookups, 4) if lookups else None,
         "hook_seconds": round(experts["hook_seconds"], 3),

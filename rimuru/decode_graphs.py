@@ -50,12 +50,12 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
 
 def capture_decode_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
                           max_num_seqs: int, cuda_graphs: bool | None, progress: bool):  # fmt: skip
-    """The engine's decode graphs, captured, with their scratch KV page reserved from `allocator` for good; None
-    when not wanted, or when a capture nobody asked for explicitly fails (a warning says so; steps run eagerly)."""
+    """The engine's decode graphs, captured, with their scratch KV page reserved from `allocator` for good. None
+    without `kv_tables` (the KV cache's device copy, kept only when graphs are wanted: they gather from it), or when
+    a capture nobody asked for explicitly fails (a warning says so; steps run eagerly)."""
     device = pool.device
-    if not graphs_wanted(cuda_graphs, device):
+    if kv_tables is None:
         return None
-    assert kv_tables is not None, "CUDA graphs gather the KV page tables from the KV cache's device copy"
     page_ids = allocator.allocate("decode-graphs", 1, KV)
     if page_ids is None:
         raise ValueError("the pool has no KV page left for the CUDA graphs' padding rows; raise gpu_memory_budget")

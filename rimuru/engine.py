@@ -47,20 +47,21 @@ class Engine:
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
         self.model_config = self.loaded.config
-        self._build_pool()
+        wants_graphs = graphs_wanted(config.cuda_graphs, self.device)
+        self._build_pool(wants_graphs)
         self._place_experts(folder)
-        device_tables = self.device if graphs_wanted(config.cuda_graphs, self.device) else None  # graphs gather there
+        device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
         self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
                                        config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
-        self.graphs = capture_decode_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
-                                            self.kv_cache.device_tables, config.max_num_seqs, config.cuda_graphs,
-                                            config.progress)  # fmt: skip
+        graphs = capture_decode_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
+                                       self.kv_cache.device_tables, config.max_num_seqs, config.cuda_graphs,
+                                       config.progress)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
-                                  self.graphs)  # fmt: skip
+                                  graphs)  # fmt: skip
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.tokenizer = _load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, _eos_token_ids(folder, self.model_config))
@@ -85,15 +86,15 @@ class Engine:
                        capacity, self.config.max_model_len)  # fmt: skip
         self.config = replace(self.config, max_model_len=capacity)
 
-    def _build_pool(self) -> None:
+    def _build_pool(self, wants_graphs: bool) -> None:
         cfg, mc = self.config, self.loaded.config
         sizes = page_sizes_for_model(mc, cfg.dtype, cfg.page_tokens)
         for note in sizes.notes:
             logger.warning(note)
         weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
         expert_bytes = len(mc.moe_layer_ids) * mc.num_experts * 3 * sizes.expert_page_bytes
-        on_gpu = self.device.type == "cuda" and graphs_wanted(cfg.cuda_graphs, self.device)  # graphs' own memory pool
-        graph_seqs = graph_batch_sizes(cfg.max_num_seqs)[-1] if on_gpu else 0
+        captured = wants_graphs and self.device.type == "cuda"  # real graphs keep a memory pool of their own
+        graph_seqs = graph_batch_sizes(cfg.max_num_seqs)[-1] if captured else 0
         self.memory_plan = plan_memory(mc, self.device, cfg.dtype, cfg.gpu_memory_budget, weights, expert_bytes,
                                        cfg.max_num_batched_tokens, cfg.max_num_seqs, graph_seqs)  # fmt: skip
         self.pool = MemoryPool(sizes, self.memory_plan.pool_bytes, self.device)

@@ -93,7 +93,8 @@ class ExpertManager:
         return not self.direct and bool(self.store.num_offloaded or self.pending_add)
 
     def stats_dict(self) -> dict:
-        """The counters, with `direct_reads`: layer passes that read a routed expert from the host (a host sync)."""
+        """The counters, with `direct_reads`: (layer, expert) reads of a routed host expert in place (counted on the
+        device; reading it waits for the GPU)."""
         return self.stats.as_dict() | {"direct_reads": int(self._direct_reads)}
 
     def pass_routing(self, fixed_tables: bool = False) -> tuple[torch.Tensor, Callable | None]:
