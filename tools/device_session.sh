@@ -16,6 +16,8 @@
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
 #   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE,
 #             one process (tools/bench_sweep.py); records and logs in $OUT/scenario-r$RATE.tar.gz
+#   defaults  elastic at the default offload limit (a quarter of each layer's experts), paper rule and cost rule, at
+#             $RATE; $OUT/defaults-r$RATE.tar.gz
 #   limits    the sweeps: elastic with limits 4, 12, 16 and fixed with 4 and 16 at $RATE; $OUT/limits-r$RATE.tar.gz
 #   direct    tools/bench_direct_reads.py (the MoE op reading host experts in place against copying them), then
 #             fixed-8 and elastic-8 with --expert-reads direct at $RATE; $OUT/direct-r$RATE.tar.gz
@@ -92,6 +94,11 @@ COST8="cost8=--expert-policy elastic --expert-offload-limit 8 --adjuster cost"
 scenario() {
   sweep "scenario-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
     "resident=--expert-policy resident" "$FIXED8" "$ELASTIC8" "$COST8"
+}
+
+defaults() {  # what a user gets without tuning: elastic at the default limit, both adjusters
+  sweep "defaults-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
+    "elastic=--expert-policy elastic" "cost=--expert-policy elastic --adjuster cost"
 }
 
 limits() {  # the paper scenario's sweeps: elastic at offload limits 4, 12, 16, fixed at 4 and 16
