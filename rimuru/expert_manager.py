@@ -214,7 +214,8 @@ class ExpertManager:
         self.stats.prefetch_hits += len(hits)
         self.stats.prefetch_misses += len(on_host) - len(hits)
         experts = sorted(on_host)
-        row[experts] = torch.tensor([buffer.slots[buffer.experts[e]] for e in experts], dtype=torch.int32)
+        pages = torch.tensor([buffer.slots[buffer.experts[e]] for e in experts], dtype=torch.int32)  # [n, 3]
+        row[torch.tensor(experts, device=row.device)] = pages.to(row.device)
 
     def _prefetch(self, layer: int, votes: list[int]) -> None:
         """Copy `layer`'s host experts with the most predicted tokens (`votes` [E]) into its buffer on the side

@@ -9,7 +9,7 @@
 #   python3 ../shared/workloads/sharegpt_synth.py --num 400 --rate 0 --seed 0 > .bench/stream-400-r0.jsonl
 #   python3 ../shared/workloads/sharegpt_synth.py --num 100 --rate 10 --seed 0 > .bench/stream-100-r10.jsonl
 # Jobs:
-#   gputests  every @pytest.mark.gpu test (ops, models, engine: CUDA graphs against eager)
+#   gputests  every @pytest.mark.gpu test (ops, models, engine: CUDA graphs against eager); GPUTESTS=paths narrows it
 #   kernels   the split-KV decode attention sweep and the top-k sum (docs/benchmarks/kernels.md)
 #   profile   where a decode step of 200 requests spends its time (tools/profile_step.py)
 #   throughput  rimuru bench, all experts resident on the whole GPU, the stream all at once (engine.md)
@@ -38,7 +38,7 @@ DUMMY=()
 
 gputests() {
   # -P and --import-mode=append: the repository's own `rimuru/` folder must not shadow the package in /tmp/pkg
-  python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/ops tests/models tests/engine \
+  python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu ${GPUTESTS:-tests/ops tests/models tests/engine} \
     > "$OUT/gputests.log" 2>&1
   tail -15 "$OUT/gputests.log"
 }
