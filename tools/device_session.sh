@@ -15,7 +15,8 @@
 #   throughput  rimuru bench, all experts resident on the whole GPU, the stream all at once (engine.md)
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
 #   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE,
-#             one process (tools/bench_sweep.py); records and logs in $OUT/scenario-r$RATE.tar.gz
+#             one process (tools/bench_sweep.py); records and logs in $OUT/scenario-r$RATE.tar.gz. POLICIES="resident
+#             fixed8 elastic cost-direct ..." picks others (names: see run_spec)
 #   defaults  elastic at the default offload limit (a quarter of each layer's experts), paper rule and cost rule, at
 #             $RATE; $OUT/defaults-r$RATE.tar.gz
 #   limits    the sweeps: elastic with limits 4, 12, 16 and fixed with 4 and 16 at $RATE; $OUT/limits-r$RATE.tar.gz
@@ -87,47 +88,61 @@ sweep() {
   tar -czf "$dir.tar.gz" -C "$OUT" "$name" && rm -r "$dir"
 }
 
-FIXED8="fixed8=--expert-policy fixed --offload-per-layer 8"
-ELASTIC8="elastic8=--expert-policy elastic --expert-offload-limit 8"
-COST8="cost8=--expert-policy elastic --expert-offload-limit 8 --adjuster cost"
+# run_spec NAME: a policy's bench flags from its name: resident, fixedN, elasticN, costN, elastic and cost (the
+# default offload limit), any of them with -direct (the kernels read host experts in place)
+run_spec() {
+  local name=$1 base=${1%-direct} flags
+  case $base in
+    resident) flags="--expert-policy resident" ;;
+    fixed*) flags="--expert-policy fixed --offload-per-layer ${base#fixed}" ;;
+    elastic) flags="--expert-policy elastic" ;;
+    elastic*) flags="--expert-policy elastic --expert-offload-limit ${base#elastic}" ;;
+    cost) flags="--expert-policy elastic --adjuster cost" ;;
+    cost*) flags="--expert-policy elastic --adjuster cost --expert-offload-limit ${base#cost}" ;;
+    *) echo "unknown policy $name" >&2; return 1 ;;
+  esac
+  [ "$name" != "$base" ] && flags="$flags --expert-reads direct"
+  echo "$name=$flags"
+}
 
-scenario() {
-  sweep "scenario-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
-    "resident=--expert-policy resident" "$FIXED8" "$ELASTIC8" "$COST8"
+# policies NAME STREAM RANKING SKEW POLICY...: `sweep` over policies given by name
+policies() {
+  local name=$1 stream=$2 ranking=$3 skew=$4 specs=() policy; shift 4
+  for policy in "$@"; do specs+=("$(run_spec "$policy")") || return 1; done
+  sweep "$name" "$stream" "$ranking" "$skew" "${specs[@]}"
+}
+
+SKEW_FLAGS="--router-skew ${SKEW:-1.0}"
+
+scenario() {  # POLICIES overrides the set
+  # shellcheck disable=SC2086
+  policies "scenario-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" ${POLICIES:-resident fixed8 elastic8 cost8}
 }
 
 defaults() {  # what a user gets without tuning: elastic at the default limit, both adjusters
-  sweep "defaults-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
-    "elastic=--expert-policy elastic" "cost=--expert-policy elastic --adjuster cost"
+  policies "defaults-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" elastic cost
 }
 
 limits() {  # the paper scenario's sweeps: elastic at offload limits 4, 12, 16, fixed at 4 and 16
-  sweep "limits-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
-    "elastic4=--expert-policy elastic --expert-offload-limit 4" "elastic12=--expert-policy elastic --expert-offload-limit 12" \
-    "elastic16=--expert-policy elastic --expert-offload-limit 16" "fixed4=--expert-policy fixed --offload-per-layer 4" \
-    "fixed16=--expert-policy fixed --offload-per-layer 16"
+  policies "limits-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" elastic4 elastic12 elastic16 fixed4 fixed16
 }
 
 direct() {  # the MoE op reading host experts in place, then fixed-8 and elastic-8 with direct reads at $RATE
   python tools/bench_direct_reads.py --out "$OUT/direct_reads.json" 2>&1 | tail -18
-  sweep "direct-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
-    "${FIXED8/fixed8=/fixed8-direct=} --expert-reads direct" "${ELASTIC8/elastic8=/elastic8-direct=} --expert-reads direct"
+  policies "direct-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" fixed8-direct elastic8-direct
 }
 
 qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40 GiB card
   # NOTE: the pool holds about 65% of the experts, so at least 48 of each layer's 128 must live on the host
   local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB
-  sweep "qwen3-40g-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "--router-skew ${SKEW:-1.0}" \
-    "fixed56=--expert-policy fixed --offload-per-layer 56" "elastic64=--expert-policy elastic --expert-offload-limit 64" \
-    "elastic64-direct=--expert-policy elastic --expert-offload-limit 64 --expert-reads direct"
+  policies "qwen3-40g-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" fixed56 elastic64 elastic64-direct
 }
 
 shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjuster issue
   local shifted=.bench/stream-shift.jsonl vocab
   vocab=$(python -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
   python tools/shift_stream.py "$STREAM" --vocab-size "$vocab" > "$shifted"
-  sweep "shift-r$RATE" "$shifted" /tmp/ranking-first-half.json "--router-skew ${SKEW:-1.0} --router-regimes 2" \
-    "$FIXED8" "$ELASTIC8" "$COST8"
+  policies "shift-r$RATE" "$shifted" /tmp/ranking-first-half.json "$SKEW_FLAGS --router-regimes 2" fixed8 elastic8 cost8
 }
 
 cache() {  # last in a call: Triton's compiled kernels, to unpack into .triton-cache here and carry next time

@@ -1,5 +1,6 @@
 """Fabricated checkpoints of both families and Hugging Face's greedy outputs on them, computed once a session."""
 
+import gc
 import random
 
 import pytest
@@ -36,3 +37,18 @@ def family(request, tmp_path_factory):
     folder = fabricate(tmp_path_factory.mktemp(arch), arch=arch, mlp_only_layers=(1,) if arch == "qwen2_moe" else ())
     prompts = make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)
     return folder, prompts, hf_greedy(folder, prompts, MAX_TOKENS)
+
+
+def free_gpu_memory() -> None:
+    """Give the engines no test holds any more back to the GPU: an engine's reference cycles outlive its last name,
+    and one that kept the whole card would leave the next engine too little (the GPU tests build several)."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+@pytest.fixture(autouse=True)
+def _free_gpu_memory_after_each_test():
+    yield
+    if torch.cuda.is_available():
+        free_gpu_memory()

@@ -8,7 +8,7 @@ import torch
 
 from rimuru import LLM
 from rimuru.decode_graphs import graph_batch_sizes
-from tests.engine.conftest import NUM_PROMPTS
+from tests.engine.conftest import NUM_PROMPTS, free_gpu_memory
 from tests.engine.test_experts import GREEDY, budget_for, run
 
 
@@ -82,6 +82,8 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
         options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3) + 2**30
     outputs = {}
     for graphs, expert_reads in ((False, "copy"), (True, reads), (False, reads)):
+        llm = None
+        free_gpu_memory()  # the previous engine's memory, before the next one plans its own
         llm = LLM(folder, progress=False, cuda_graphs=graphs, expert_reads=expert_reads, **options)
         outputs[graphs, expert_reads] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         assert (llm.engine.runner.num_graph_steps > 0) == graphs

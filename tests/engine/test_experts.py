@@ -11,7 +11,7 @@ from rimuru.adjuster import Adjuster, plan_adjustment
 from rimuru.expert_copier import ExpertCopier
 from rimuru.expert_ranking import ExpertRanking
 from rimuru.memory import EXPERT
-from tests.engine.conftest import MAX_TOKENS
+from tests.engine.conftest import MAX_TOKENS, free_gpu_memory
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -41,6 +41,8 @@ def budget_for(folder: str, kv_tokens: int, offload: int) -> int:
     expert_pages = engine.experts.num_expert_pages + 2 * offload * 3
     kv_pages = -(-kv_tokens // sizes.page_tokens) * config.num_hidden_layers
     pages = expert_pages + -(-kv_pages // sizes.kv_pages_per_expert_page)
+    del engine
+    free_gpu_memory()
     return plan.weights_bytes + plan.activation_bytes + pages * sizes.expert_page_bytes
 
 
