@@ -16,7 +16,9 @@ HERE = Path(__file__).parent
 
 def test_kernels_under_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interp_kernels.py")]
+    # -P: the repository root must not come first on sys.path, or its `rimuru/` folder (without ops/) shadows the
+    # package laid out on PYTHONPATH and an editable install elsewhere supplies `rimuru.ops` instead
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interp_kernels.py")]
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
