@@ -21,6 +21,7 @@ from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton  # noqa
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
 from rimuru.ops.rms_norm import rms_norm_triton  # noqa: E402
+from rimuru.ops.topk_sum import topk_sum_triton  # noqa: E402
 from rimuru.ops.write_kv import write_kv_triton  # noqa: E402
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
@@ -172,4 +173,16 @@ def test_rms_norm(shape):
     ref = reference.rms_norm(x, weight, 1e-6)
     tri = rms_norm_triton(x, weight, 1e-6)
     assert tri.shape == ref.shape
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,hidden_size,block_d", [(1, 1, 72, 1024), (3, 8, 2048, 1024),
+                                                                   (5, 3, 1000, 256), (130, 4, 72, 32), (7, 6, 33, 16)])
+def test_topk_sum(num_tokens, top_k, hidden_size, block_d):
+    """Rows of a padded buffer (NaN between tokens' rows and past D): only the K rows of each token are read."""
+    base = torch.full((num_tokens, top_k + 1, hidden_size + 5), float("nan"))
+    pairs = base[:, :top_k, :hidden_size]  # [T, K, D], strides of the padded buffer
+    pairs.copy_(torch.randn(num_tokens, top_k, hidden_size, generator=torch.Generator().manual_seed(top_k)))
+    ref = pairs.sum(1)
+    tri = topk_sum_triton(pairs, {"BLOCK_D": block_d, "num_warps": 4})
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)

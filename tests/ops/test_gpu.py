@@ -124,3 +124,16 @@ def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block
     for ref, tri in zip(align_tokens_torch(topk_ids, num_experts, block_m),
                         align_tokens_triton(topk_ids, num_experts, block_m)):
         assert torch.equal(ref, tri)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,hidden_size", [(1, 8, 2048), (4096, 8, 2048), (777, 4, 2048), (9, 6, 136)])
+def test_topk_sum_bf16_fixed_order(num_tokens, top_k, hidden_size):
+    """fp32 accumulation in k order: within a bf16 rounding of the fp32 sum, and the same bits on every run."""
+    from rimuru.ops.topk_sum import topk_sum
+
+    pairs = torch.randn(num_tokens, top_k, hidden_size, device="cuda").to(torch.bfloat16)
+    ref = pairs.float().sum(1)
+    poison_allocator()
+    tri = topk_sum(pairs)
+    assert tri.dtype == torch.bfloat16 and rel_err(tri, ref) < 1e-2
+    assert torch.equal(tri, topk_sum(pairs.clone()))
