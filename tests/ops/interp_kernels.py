@@ -167,6 +167,17 @@ def test_align_tokens_layout(num_pairs, num_experts, block_m):
     assert (block_expert[int(num_padded) // block_m:] == num_experts).all()
 
 
+@pytest.mark.parametrize("num_pairs,num_experts,chunks_each", [(9000, 4, 3), (2000, 60, 2), (1000, 128, 5),
+                                                                (20000, 128, None), (300, 5, 9)])
+def test_align_tokens_chunks_each_program(num_pairs, num_experts, chunks_each):
+    """A scatter program taking several chunks (None: the default for 157 chunks) lays the rows out the same."""
+    topk_ids = torch.randint(0, num_experts, (num_pairs // 4, 4), generator=torch.Generator().manual_seed(num_pairs))
+    ref = align_tokens_torch(topk_ids, num_experts, 16)
+    tri = align_tokens_triton(topk_ids, num_experts, 16, chunks_each)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("shape", [(1, 72), (3, 24), (130, 2048), (5, 4, 17)])
 def test_rms_norm(shape):
     x, weight = torch.randn(*shape) * 3, torch.randn(shape[-1])
