@@ -34,3 +34,15 @@ def test_direct_reads_benchmark_runs_and_matches_resident(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and all(r["equal_to_resident"] for r in rows)
+
+
+def test_moe_breakdown_runs(tmp_path):
+    """`tools/bench_kernels.py --breakdown --smoke`: every piece is timed and the Triton top-k sum equals torch's."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "breakdown.json"
+    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_kernels.py"), "--breakdown", "--smoke", "--out",
+           str(out)]
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(out.read_text())["breakdown"]
+    assert len(rows) == 2 and all(r["casts_noop"] and r["op_rel_diff_vs_torch_sum"] < 1e-6 for r in rows)
