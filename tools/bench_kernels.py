@@ -48,14 +48,14 @@ GEMM_FLOPS_PER_S = 764e12  # ANCHORS.md: bf16 GEMM 8192^3
 M_VALUES = [2**i for i in range(13)]
 
 
-def time_ms(fn, smoke=False):
+def time_ms(fn, smoke=False, warmup=10, rep=40):
     if smoke:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def time_graph_ms(fn):
