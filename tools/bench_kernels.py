@@ -2,7 +2,7 @@
 
     python tools/bench_kernels.py --out kernels.json            # on a CUDA GPU
     TRITON_INTERPRET=1 python tools/bench_kernels.py --smoke    # logic check on CPU, tiny shapes, times meaningless
-    python tools/bench_kernels.py --breakdown --out breakdown.json   # the MoE op piece by piece (tools/moe_breakdown.py)
+    python tools/bench_kernels.py --breakdown --out breakdown.json   # the MoE op piece by piece (moe_breakdown.py)
 
 MoE, per model shape and M = 1, 2, 4, ..., 4096 tokens (bf16, softmax top-k routing of random logits):
   paged     both GEMM kernels, experts at shuffled pages of a pool 1.5x the experts' size (sorting excluded)

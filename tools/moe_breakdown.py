@@ -154,7 +154,8 @@ def print_row(r, header=False):
         print("model M pairs | align (1 chunk) casts | gate_up down gemms | sum torch (copy%) triton (copy%) |"
               " op op_torch_sum | unexplained | sum tiles")
     one_chunk = f" ({r['align_1chunk_us']:.1f})" if "align_1chunk_us" in r else ""
-    share = {k: f" ({100 * r[k + '_of_copy']:.0f}%)" if k + "_of_copy" in r else "" for k in ("sum_torch", "sum_triton")}
+    share = {k: f" ({100 * r[f'{k}_of_copy']:.0f}%)" if f"{k}_of_copy" in r else ""
+             for k in ("sum_torch", "sum_triton")}
     tiles = " ".join(f"{k}:{v:.1f}" for k, v in r.get("sum_triton_tiles_us", {}).items())
     print(f"{r['model']} {r['M']} {r['pairs']} | {r['align_us']:.1f}{one_chunk} {r['casts_us']:.1f} |"
           f" {r['gate_up_us']:.1f} {r['down_us']:.1f} {r['gemms_us']:.1f} |"
