@@ -17,6 +17,7 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from ops_cases import MIXED_BATCH, attention_case, moe_case  # noqa: E402
 
 from rimuru.ops import reference  # noqa: E402
+from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
 from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton  # noqa: E402
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
@@ -105,6 +106,24 @@ def test_split_kv_decode(num_heads, num_kv_heads, num_splits):
     cfg = {"BLOCK_Q": 16 // (num_heads // num_kv_heads), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
            "NUM_SPLITS": num_splits}
     tri = paged_attention_triton(*case.args(), config=cfg)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+DECODE_VARIANTS = [{}, {"HEADS_FASTEST": True}, {"PERSISTENT": True}, {"EVEN_TILES": True}, {"PREFETCH_PAGES": True},
+                   {"HEADS_FASTEST": True, "PERSISTENT": True, "EVEN_TILES": True, "PREFETCH_PAGES": True}]
+
+
+@pytest.mark.parametrize("flags", DECODE_VARIANTS)
+@pytest.mark.parametrize("num_heads,num_kv_heads,page_tokens", [(8, 2, 8), (2, 2, 4), (12, 4, 16)])
+def test_decode_attention_variants(flags, num_heads, num_kv_heads, page_tokens):
+    """Every switch of the decode-only kernel against the reference: contexts of 1 to 64 tokens, full and partial
+    tiles, pages poisoned past each context; 2 "SMs" so the persistent grid loops over several items a program."""
+    requests = [(n - 1, 1) for n in (1, 16, 17, 41, 64, 4, 32)]
+    case = attention_case(requests, num_heads, num_kv_heads, 32, page_tokens=page_tokens, seed=len(flags))
+    ref = reference.paged_attention(*case.args())
+    cfg = decode_config(BLOCK_N=16, num_warps=4, num_stages=1, PROGRAMS_PER_SM=1, **flags)
+    tri, _ = decode_attention_triton(case.query, case.kv_view, case.page_table, case.seq_lens, case.scale, cfg,
+                                     num_sms=2)
     torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
 
 

@@ -137,3 +137,20 @@ def test_topk_sum_bf16_fixed_order(num_tokens, top_k, hidden_size):
     tri = topk_sum(pairs)
     assert tri.dtype == torch.bfloat16 and rel_err(tri, ref) < 1e-2
     assert torch.equal(tri, topk_sum(pairs.clone()))
+
+
+@pytest.mark.parametrize("flags", [{}, {"HEADS_FASTEST": True, "EVEN_TILES": True, "PREFETCH_PAGES": True},
+                                   {"HEADS_FASTEST": True, "EVEN_TILES": True, "PREFETCH_PAGES": True,
+                                    "PERSISTENT": True}])
+@pytest.mark.parametrize("tile", [(128, 8, 2), (64, 4, 4), (32, 4, 6)])
+def test_decode_attention_variants_bf16(flags, tile):
+    from rimuru.ops.decode_attention import decode_attention_triton, decode_config
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    requests = [(n, 1) for n in (0, 15, 16, 200, 1023, 77, 4000, 127)]
+    case = attention_case(requests, 32, 4, 128, 16, torch.bfloat16, "cuda", seed)
+    ref = reference.paged_attention(*as_fp32(case.args()))
+    cfg = decode_config(BLOCK_N=tile[0], num_warps=tile[1], num_stages=tile[2], **flags)
+    poison_allocator()
+    tri, _ = decode_attention_triton(case.query, case.kv_view, case.page_table, case.seq_lens, case.scale, cfg)
+    assert rel_err(tri, ref) < 1e-2

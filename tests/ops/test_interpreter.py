@@ -46,3 +46,15 @@ def test_moe_breakdown_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["breakdown"]
     assert len(rows) == 2 and all(r["casts_noop"] and r["op_rel_diff_vs_torch_sum"] < 1e-6 for r in rows)
+
+
+def test_decode_attention_sweep_runs(tmp_path):
+    """`tools/sweep_decode_attention.py --smoke`: every stage runs and every variant matches the reference."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "sweep_decode_attention.py"), "--smoke", "--out", str(out)]
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = report["target"] + report["shapes"]
+    assert len(report["finalists"]) == 2 and len(rows) == 14 and all("us" in r for r in rows)
