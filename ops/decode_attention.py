@@ -23,15 +23,10 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.ops.attention_tiles import tile_pages
 from rimuru.ops.split_kv_attention import LOG2_E
 
 DECODE_FLAGS = ("HEADS_FASTEST", "PERSISTENT", "EVEN_TILES", "PREFETCH_PAGES")
-
-
-@triton.jit
-def _tile_pages(p_table_row, n_start, n_hi, BLOCK_N: tl.constexpr, PAGE_TOKENS: tl.constexpr):
-    o_n = n_start + tl.arange(0, BLOCK_N)
-    return tl.load(p_table_row + o_n // PAGE_TOKENS, mask=o_n < n_hi, other=0).to(tl.int64)  # [BN]
 
 
 @triton.jit
@@ -66,12 +61,13 @@ def _attend_request(b_q, seq_len, p_table_row, p_kv_head, scale_log2, stride_kv_
     b_sum = tl.zeros((ROWS,), dtype=tl.float32)
     b_acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
     full_end = (seq_len // BLOCK_N) * BLOCK_N if EVEN_TILES else 0
-    b_page = _tile_pages(p_table_row, 0, seq_len, BLOCK_N, PAGE_TOKENS)
+    if PREFETCH_PAGES:
+        b_page = tile_pages(p_table_row, 0, seq_len, PAGE_TOKENS, BLOCK_N)
     for n_start in range(0, full_end, BLOCK_N):
         if PREFETCH_PAGES:
-            b_next = _tile_pages(p_table_row, n_start + BLOCK_N, seq_len, BLOCK_N, PAGE_TOKENS)
+            b_next = tile_pages(p_table_row, n_start + BLOCK_N, seq_len, PAGE_TOKENS, BLOCK_N)
         else:
-            b_page = _tile_pages(p_table_row, n_start, seq_len, BLOCK_N, PAGE_TOKENS)
+            b_page = tile_pages(p_table_row, n_start, seq_len, PAGE_TOKENS, BLOCK_N)
         b_max, b_sum, b_acc = _attend_tile(b_q, b_max, b_sum, b_acc, b_page, n_start, seq_len, p_kv_head,
                                            stride_kv_page, stride_kv_token, stride_kv_kind, scale_log2, BLOCK_N,
                                            PAGE_TOKENS, False)
@@ -79,9 +75,9 @@ def _attend_request(b_q, seq_len, p_table_row, p_kv_head, scale_log2, stride_kv_
             b_page = b_next
     for n_start in range(full_end, seq_len, BLOCK_N):  # the masked tail (every tile without EVEN_TILES)
         if PREFETCH_PAGES:
-            b_next = _tile_pages(p_table_row, n_start + BLOCK_N, seq_len, BLOCK_N, PAGE_TOKENS)
+            b_next = tile_pages(p_table_row, n_start + BLOCK_N, seq_len, PAGE_TOKENS, BLOCK_N)
         else:
-            b_page = _tile_pages(p_table_row, n_start, seq_len, BLOCK_N, PAGE_TOKENS)
+            b_page = tile_pages(p_table_row, n_start, seq_len, PAGE_TOKENS, BLOCK_N)
         b_max, b_sum, b_acc = _attend_tile(b_q, b_max, b_sum, b_acc, b_page, n_start, seq_len, p_kv_head,
                                            stride_kv_page, stride_kv_token, stride_kv_kind, scale_log2, BLOCK_N,
                                            PAGE_TOKENS, True)

@@ -109,6 +109,17 @@ def test_split_kv_decode(num_heads, num_kv_heads, num_splits):
     torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_prefetch_pages(num_splits):
+    """Page ids a tile ahead, in the general kernel (mixed batch) and the split kernel: the same results."""
+    case = attention_case(MIXED_BATCH, 8, 2, 24, page_tokens=4, seed=num_splits)
+    ref = reference.paged_attention(*case.args())
+    cfg = {"BLOCK_Q": 4, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "NUM_SPLITS": num_splits,
+           "PREFETCH_PAGES": True}
+    tri = paged_attention_triton(*case.args(), config=cfg)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
 DECODE_VARIANTS = [{}, {"HEADS_FASTEST": True}, {"PERSISTENT": True}, {"EVEN_TILES": True}, {"PREFETCH_PAGES": True},
                    {"HEADS_FASTEST": True, "PERSISTENT": True, "EVEN_TILES": True, "PREFETCH_PAGES": True}]
 
