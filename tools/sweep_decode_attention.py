@@ -12,7 +12,10 @@ device-to-device copy rate is measured in the same run. Stages, each checked aga
   3. tiles (BLOCK_N, warps, stages) with PREFETCH_PAGES + EVEN_TILES + HEADS_FASTEST: page ids loaded a tile
      ahead let Triton's pipeliner keep num_stages - 1 K/V tiles in flight (without it K/V stay single-buffered)
   4. the best tile of stage 3 without HEADS_FASTEST, and persistent at 1, 2, 3 programs an SM
-  5. the general kernel and the two best variants at other batch sizes and context lengths
+  5. the general kernel with PREFETCH_PAGES (`attend_pages`, also prefill's and split-KV's loop) at some of those
+     tiles: if it comes close, the decode default can stay in the general kernel (a config change, no new dispatch)
+  6. the general kernel's dispatch, the two best decode variants and the best of stage 5 at other batch sizes and
+     context lengths
 Each row has the compiled kernel's shared memory and registers a thread, and the programs an SM that allows
 (an H200 SM: 228 KB shared memory, 64K registers, 64 warps). Times are medians of CUDA events
 (triton.testing.do_bench, L2 flushed before each run).
@@ -24,6 +27,7 @@ import os
 import sys
 
 import torch
+import triton
 
 from bench_kernels import copy_bandwidth, decode_inputs, time_ms
 from rimuru.ops import reference
@@ -34,6 +38,7 @@ ALL_FLAGS = {"HEADS_FASTEST": True, "EVEN_TILES": True, "PREFETCH_PAGES": True}
 PIPELINED_TILES = [(128, 8, 3), (128, 4, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4), (64, 8, 4), (64, 4, 5),
                    (32, 4, 4), (32, 4, 6)]
 OTHER_SHAPES = [(32, 1024), (128, 1024), (64, 4096), (256, 512), (64, 1000)]
+GENERAL_PREFETCH_TILES = [(128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 4), (32, 4, 6)]
 SM_SHARED_BYTES, SM_REGISTERS, SM_WARPS = 228 * 1024, 65536, 64
 
 
@@ -91,13 +96,20 @@ def tile_config(tile, **flags):
     return decode_config(BLOCK_N=block_n, num_warps=warps, num_stages=stages, **flags)
 
 
+def general_config(sweep, tile):
+    block_n, warps, stages = tile
+    group = triton.next_power_of_2(sweep.args[0].shape[1] // sweep.args[1].shape[3])
+    return {"BLOCK_Q": max(1, 16 // group), "BLOCK_N": block_n, "num_warps": warps, "num_stages": stages,
+            "NUM_SPLITS": 1, "PREFETCH_PAGES": True}
+
+
 def fastest(rows):
     timed = [r for r in rows if "us" in r]
     return min(timed, key=lambda r: r["us"]) if timed else None
 
 
 def sweep_target(sweep, smoke):
-    """Stages 1 to 4 at the target shape; returns the two fastest decode-kernel configs."""
+    """Stages 1 to 5 at the target shape; returns the two fastest decode-kernel configs and the fastest general one."""
     sweep.general("general, default tiles")
     base = (16, 4, 1) if smoke else (128, 8, 2)
     sweep.decode("decode, no flags", tile_config(base))
@@ -117,18 +129,23 @@ def sweep_target(sweep, smoke):
                      tile_config(tile, **ALL_FLAGS, PERSISTENT=True, PROGRAMS_PER_SM=per_sm))
     decode_rows = sorted((r for r in sweep.rows if r["name"].startswith("decode") and "us" in r),
                          key=lambda r: r["us"])
-    return [r["config"] for r in decode_rows[:2]]
+    general = [sweep.general(f"general, PREFETCH_PAGES, tile {tile}", general_config(sweep, tile))
+               for tile in ([(16, 4, 2)] if smoke else GENERAL_PREFETCH_TILES)]
+    return [r["config"] for r in decode_rows[:2]] + [r["config"] for r in [fastest(general)] if r]
 
 
 def sweep_shapes(finalists, device, dtype, smoke, copy_tb_per_s):
-    """Stage 5: the general kernel's dispatch (split-KV where it splits) against the finalists."""
+    """Stage 6: the general kernel's dispatch (split-KV where it splits) against the finalists."""
     rows = []
     for batch, context in [(2, 40)] if smoke else OTHER_SHAPES:
         sweep = Sweep(batch, context, device, dtype, smoke, copy_tb_per_s)
         splits = default_config(*sweep.args[:3], batch)["NUM_SPLITS"]
         sweep.general(f"general, dispatcher ({splits} split(s))")
         for i, cfg in enumerate(finalists):
-            sweep.decode(f"decode finalist {i + 1}", cfg)
+            if "NUM_SPLITS" in cfg:  # the general kernel's config
+                sweep.general("general, PREFETCH_PAGES finalist", cfg)
+            else:
+                sweep.decode(f"decode finalist {i + 1}", cfg)
         rows += sweep.rows
     return rows
 
@@ -149,8 +166,6 @@ def main():
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     report = {"argv": sys.argv, "torch": torch.__version__, "commit": os.environ.get("RIMURU_COMMIT", "unknown")}
     if not args.smoke:
-        import triton
-
         report |= {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "copy_tb_per_s": copy_bandwidth()}
         print(f"device-to-device copy: {report['copy_tb_per_s']:.2f} TB/s")
     copy = report.get("copy_tb_per_s")
