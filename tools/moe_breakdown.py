@@ -5,8 +5,8 @@
 
 Per model shape and M = 1, 8, 64, 1024, 4096 (the same inputs as the main benchmark), each a captured graph of:
   floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
-  align         align_tokens as the op runs it; align_1chunk: one scatter program per chunk (the old layout of the
-                work, timed only where the default takes several chunks a program)
+  align         align_tokens as the op runs it; align_paths: its other paths where they apply (one program for the
+                whole sort up to 8 chunks of pairs, count + scatter, one scatter program a chunk as before)
   casts         topk_weights.to(fp32) and page_table.to(int32); 0 and `casts_noop` when both return their input
   gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them
   sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
@@ -24,7 +24,8 @@ import torch
 
 from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
-from rimuru.ops.moe_align import CHUNK, align_tokens, align_tokens_triton, scatter_chunks_each
+from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton,
+                                  scatter_chunks_each)
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
 
@@ -69,11 +70,20 @@ def point_inputs(shape, num_tokens, device, dtype):
 
 
 def time_align(row, ids, shape, cfg, smoke):
+    """The op's sort, then the other paths where they apply: one program (up to 8 chunks), count + scatter, and one
+    chunk a scatter program (where the default takes several)."""
+    num_chunks = -(-ids.numel() // CHUNK)
     row["align_us"] = time_graph_us(lambda: align_tokens(ids, shape["E"], cfg["BLOCK_M"]), smoke)
-    row["align_chunks_each"] = scatter_chunks_each(-(-ids.numel() // CHUNK))
-    if row["align_chunks_each"] > 1 or smoke:
-        row["align_1chunk_us"] = time_graph_us(
-            lambda: align_tokens_triton(ids, shape["E"], cfg["BLOCK_M"], chunks_each=1), smoke)
+    row["align_path"] = "one program" if num_chunks <= ONE_PROGRAM_CHUNKS else \
+        f"count + scatter, {scatter_chunks_each(num_chunks)} chunk(s) a scatter program"
+    paths = {}
+    if num_chunks <= 8:
+        paths["one program"] = {"one_program": True}
+        paths["count + scatter"] = {"one_program": False}
+    if scatter_chunks_each(num_chunks) > 1 or smoke:
+        paths["1 chunk a scatter program"] = {"one_program": False, "chunks_each": 1}
+    row["align_paths_us"] = {name: time_graph_us(
+        lambda kw=kw: align_tokens_triton(ids, shape["E"], cfg["BLOCK_M"], **kw), smoke) for name, kw in paths.items()}
 
 
 def time_casts(row, weights, table, smoke):
@@ -151,13 +161,13 @@ def run_breakdown(device, dtype, smoke, copy_tb_per_s=None):
 def print_row(r, header=False):
     if header:
         print(f"breakdown, us under CUDA graph replay (floor {r['floor_us']:.1f} us = an almost empty graph)")
-        print("model M pairs | align (1 chunk) casts | gate_up down gemms | sum torch (copy%) triton (copy%) |"
-              " op op_torch_sum | unexplained | sum tiles")
-    one_chunk = f" ({r['align_1chunk_us']:.1f})" if "align_1chunk_us" in r else ""
+        print("model M pairs | align casts | gate_up down gemms | sum torch (copy%) triton (copy%) |"
+              " op op_torch_sum | unexplained | sum tiles | other sort paths")
+    paths = " ".join(f"{k}:{v:.1f}" for k, v in r["align_paths_us"].items())
     share = {k: f" ({100 * r[f'{k}_of_copy']:.0f}%)" if f"{k}_of_copy" in r else ""
              for k in ("sum_torch", "sum_triton")}
     tiles = " ".join(f"{k}:{v:.1f}" for k, v in r.get("sum_triton_tiles_us", {}).items())
-    print(f"{r['model']} {r['M']} {r['pairs']} | {r['align_us']:.1f}{one_chunk} {r['casts_us']:.1f} |"
+    print(f"{r['model']} {r['M']} {r['pairs']} | {r['align_us']:.1f} {r['casts_us']:.1f} |"
           f" {r['gate_up_us']:.1f} {r['down_us']:.1f} {r['gemms_us']:.1f} |"
           f" {r['sum_torch_us']:.1f}{share['sum_torch']} {r['sum_triton_us']:.1f}{share['sum_triton']} |"
-          f" {r['op_us']:.1f} {r['op_torch_sum_us']:.1f} | {r['unexplained_us']:+.1f} | {tiles}", flush=True)
+          f" {r['op_us']:.1f} {r['op_torch_sum_us']:.1f} | {r['unexplained_us']:+.1f} | {tiles} | {paths}", flush=True)

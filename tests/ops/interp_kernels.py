@@ -197,6 +197,17 @@ def test_align_tokens_layout(num_pairs, num_experts, block_m):
     assert (block_expert[int(num_padded) // block_m:] == num_experts).all()
 
 
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES[:5])
+@pytest.mark.parametrize("one_program", [False, True])
+def test_align_tokens_either_path(num_pairs, num_experts, block_m, one_program):
+    """One program for the whole sort, or count + scatter, whatever the pair count: the torch layout."""
+    topk_ids = torch.randint(0, num_experts, (num_pairs, 1), generator=torch.Generator().manual_seed(num_pairs))
+    ref = align_tokens_torch(topk_ids, num_experts, block_m)
+    tri = align_tokens_triton(topk_ids, num_experts, block_m, one_program=one_program)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("num_pairs,num_experts,chunks_each", [(9000, 4, 3), (2000, 60, 2), (1000, 128, 5),
                                                                 (20000, 128, None), (300, 5, 9)])
 def test_align_tokens_chunks_each_program(num_pairs, num_experts, chunks_each):
