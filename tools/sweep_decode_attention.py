@@ -14,8 +14,8 @@ device-to-device copy rate is measured in the same run. Stages, each checked aga
   4. the best tile of stage 3 without HEADS_FASTEST, and persistent at 1, 2, 3 programs an SM
   5. the general kernel with PREFETCH_PAGES (`attend_pages`, also prefill's and split-KV's loop) at some of those
      tiles: if it comes close, the decode default can stay in the general kernel (a config change, no new dispatch)
-  6. the general kernel's dispatch, the two best decode variants and the best of stage 5 at other batch sizes and
-     context lengths
+  6. the general kernel's dispatch (split-KV for B = 1 and 8), the same with PREFETCH_PAGES at 3 stages, the two
+     best decode variants and the best of stage 5 at other batch sizes and context lengths
 Each row has the compiled kernel's shared memory and registers a thread, and the programs an SM that allows
 (an H200 SM: 228 KB shared memory, 64K registers, 64 warps). Times are medians of CUDA events
 (triton.testing.do_bench, L2 flushed before each run).
@@ -37,7 +37,7 @@ from rimuru.ops.paged_attention import default_config, paged_attention_triton
 ALL_FLAGS = {"HEADS_FASTEST": True, "EVEN_TILES": True, "PREFETCH_PAGES": True}
 PIPELINED_TILES = [(128, 8, 3), (128, 4, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4), (64, 8, 4), (64, 4, 5),
                    (32, 4, 4), (32, 4, 6)]
-OTHER_SHAPES = [(32, 1024), (128, 1024), (64, 4096), (256, 512), (64, 1000)]
+OTHER_SHAPES = [(32, 1024), (128, 1024), (64, 4096), (256, 512), (64, 1000), (8, 4096), (1, 8192)]
 GENERAL_PREFETCH_TILES = [(128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 4), (32, 4, 6)]
 SM_SHARED_BYTES, SM_REGISTERS, SM_WARPS = 228 * 1024, 65536, 64
 
@@ -139,8 +139,10 @@ def sweep_shapes(finalists, device, dtype, smoke, copy_tb_per_s):
     rows = []
     for batch, context in [(2, 40)] if smoke else OTHER_SHAPES:
         sweep = Sweep(batch, context, device, dtype, smoke, copy_tb_per_s)
-        splits = default_config(*sweep.args[:3], batch)["NUM_SPLITS"]
-        sweep.general(f"general, dispatcher ({splits} split(s))")
+        dispatched = default_config(*sweep.args[:3], batch)
+        sweep.general(f"general, dispatcher ({dispatched['NUM_SPLITS']} split(s))")
+        sweep.general("general, dispatcher + PREFETCH_PAGES, 3 stages",
+                      dispatched | {"PREFETCH_PAGES": True, "num_stages": 3 if not smoke else 2})
         for i, cfg in enumerate(finalists):
             if "NUM_SPLITS" in cfg:  # the general kernel's config
                 sweep.general("general, PREFETCH_PAGES finalist", cfg)
