@@ -1,7 +1,9 @@
 """Sorting the routed (token, k) pairs per expert and padding each expert's run to the M tile, on the device.
 
 Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises with the host and a CUDA graph can hold
-it. On CUDA two Triton launches (per-chunk expert counts, then a scatter that recomputes the prefix it needs):
+it. On CUDA two Triton launches (per-chunk expert counts, then a scatter that recomputes the prefix it needs; past
+SCATTER_PROGRAMS chunks a scatter program takes a run of consecutive chunks, so the count table is read fewer times),
+or for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one program that does all of it:
 11-16 us for up to 4096 pairs on an H200 against 200-500 us for the torch path's ~25 small launches (eager, host
 bound; docs/benchmarks/kernels.json). The torch path (argsort, cumsum, scatter) serves CPU. Both give the same
 layout, which the interpreter tests check. Does not own the GEMMs (`rimuru.ops.paged_moe`).
@@ -18,6 +20,8 @@ import triton
 import triton.language as tl
 
 CHUNK = 128  # pairs a program sorts; [CHUNK, E] one-hot tiles stay in registers
+SCATTER_PROGRAMS = 64  # scatter programs wanted once there are more chunks (not yet measured against 1 chunk each)
+ONE_PROGRAM_CHUNKS = 2  # up to this many chunks the whole sort is one launch of one program (not yet measured)
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -44,14 +48,16 @@ def _count_kernel(
         tl.store(p_sorted_ids + o_r, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=o_r < row_end)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks", "chunks_each"])
 def _scatter_kernel(
     p_ids, p_chunk_counts, p_sorted_ids, p_block_expert, p_num_padded,
-    num_pairs, num_experts, num_chunks, max_blocks, blocks_each,
+    num_pairs, num_experts, num_chunks, max_blocks, blocks_each, chunks_each,
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, PREFIX_ROWS: tl.constexpr,
 ):
-    """Each pair of this chunk goes to start[e] + (pairs of e in earlier chunks) + (its rank in this chunk)."""
-    i_c = tl.program_id(0)
+    """Each pair of chunk c goes to start[e] + (pairs of e in chunks before c) + (its rank in chunk c); a program
+    scatters `chunks_each` consecutive chunks, so the count table is read once per program, not once per chunk."""
+    i_p = tl.program_id(0)
+    c_first = i_p * chunks_each
     o_e = tl.arange(0, EXPERTS_PAD)
     b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     b_before = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
@@ -60,43 +66,101 @@ def _scatter_kernel(
         b_count = tl.load(p_chunk_counts + o_c[:, None] * EXPERTS_PAD + o_e[None, :], mask=(o_c < num_chunks)[:, None],
                           other=0)
         b_total += tl.sum(b_count, 0)
-        b_before += tl.sum(tl.where((o_c < i_c)[:, None], b_count, 0), 0)
+        b_before += tl.sum(tl.where((o_c < c_first)[:, None], b_count, 0), 0)
     b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
+    b_next = b_end - b_padded + b_before  # [E] row of each expert's next pair
+    for i_c in range(c_first, tl.minimum(c_first + chunks_each, num_chunks)):
+        b_next = _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_next, EXPERTS_PAD, CHUNK)
+    _store_block_experts(p_block_expert, b_end, i_p * blocks_each, tl.minimum(max_blocks, (i_p + 1) * blocks_each),
+                         num_experts, BLOCK_M, CHUNK)
+    if i_p == 0:
+        tl.store(p_num_padded, tl.sum(b_padded, 0))
+
+
+@triton.jit
+def _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_next, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Rows of chunk i_c's pairs: b_next[e] + rank among e's pairs of the chunk; returns b_next past them."""
+    o_e = tl.arange(0, EXPERTS_PAD)
     o_p = i_c * CHUNK + tl.arange(0, CHUNK)
     m_p = o_p < num_pairs
     b_ids = tl.load(p_ids + o_p, mask=m_p, other=EXPERTS_PAD)
     b_hot = (b_ids[:, None] == o_e[None, :]).to(tl.int32)  # [CHUNK, E]
     b_rank = tl.sum(tl.cumsum(b_hot, 0) * b_hot, 1) - 1
-    b_row = tl.sum(b_hot * (b_end - b_padded + b_before)[None, :], 1) + b_rank
-    tl.store(p_sorted_ids + b_row, o_p, mask=m_p)
-    block_end = tl.minimum(max_blocks, (i_c + 1) * blocks_each)
-    for start in range(i_c * blocks_each, block_end, CHUNK):  # each block's expert (searchsorted, right)
+    tl.store(p_sorted_ids + tl.sum(b_hot * b_next[None, :], 1) + b_rank, o_p, mask=m_p)
+    return b_next + tl.sum(b_hot, 0)
+
+
+@triton.jit
+def _store_block_experts(p_block_expert, b_end, block_start, block_end, num_experts, BLOCK_M: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    """Each block's expert in [block_start, block_end): searchsorted(b_end, block row, right), E past the last."""
+    for start in range(block_start, block_end, CHUNK):
         o_b = start + tl.arange(0, CHUNK)
         b_expert = tl.sum((b_end[None, :] <= (o_b * BLOCK_M)[:, None]).to(tl.int32), 1)
         tl.store(p_block_expert + o_b, tl.minimum(b_expert, num_experts), mask=o_b < block_end)
-    if i_c == 0:
-        tl.store(p_num_padded, tl.sum(b_padded, 0))
 
 
-def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """`align_tokens` in two launches of one program per CHUNK pairs: count, then scatter."""
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])
+def _align_one_program_kernel(
+    p_ids, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows, max_blocks,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """The whole sort in one program (decode batches): count, pad, scatter and block experts, one launch."""
+    o_e = tl.arange(0, EXPERTS_PAD)
+    b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    for start in range(0, num_pairs, CHUNK):
+        o_p = start + tl.arange(0, CHUNK)
+        b_ids = tl.load(p_ids + o_p, mask=o_p < num_pairs, other=EXPERTS_PAD)
+        b_total += tl.sum((b_ids[:, None] == o_e[None, :]).to(tl.int32), 0)
+    b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
+    for start in range(0, max_rows, CHUNK):
+        o_r = start + tl.arange(0, CHUNK)
+        tl.store(p_sorted_ids + o_r, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=o_r < max_rows)
+    tl.debug_barrier()  # NOTE: the pad ids above must land before the pair ids that overwrite some of them
+    b_next = b_end - b_padded
+    for i_c in range(0, tl.cdiv(num_pairs, CHUNK)):
+        b_next = _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_next, EXPERTS_PAD, CHUNK)
+    _store_block_experts(p_block_expert, b_end, 0, max_blocks, num_experts, BLOCK_M, CHUNK)
+    tl.store(p_num_padded, tl.sum(b_padded, 0))
+
+
+def scatter_chunks_each(num_chunks: int) -> int:
+    """Chunks a scatter program takes: one up to SCATTER_PROGRAMS chunks, then enough to keep that many programs
+    (each reads the whole [chunks, E] count table: 256 programs x 128 KB at 32768 pairs and E = 128)."""
+    return max(1, num_chunks // SCATTER_PROGRAMS)
+
+
+def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunks_each: int | None = None,
+                        one_program: bool | None = None):
+    """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS chunks of pairs, else in two: count
+    (one program per CHUNK pairs), then scatter (`chunks_each` chunks a program, `scatter_chunks_each` by default).
+    `one_program` forces either path."""
     device, num_pairs = topk_ids.device, topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
     num_chunks = triton.cdiv(num_pairs, CHUNK)
     experts_pad = triton.next_power_of_2(num_experts)
-    chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     ids = topk_ids.contiguous()
+    if num_chunks <= ONE_PROGRAM_CHUNKS if one_program is None else one_program:
+        _align_one_program_kernel[(1,)](
+            ids, sorted_ids, block_expert, num_padded, num_pairs, num_experts, max_rows, block_expert.numel(),
+            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=CHUNK, num_warps=8,
+        )
+        return sorted_ids, block_expert, num_padded
+    chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)
     _count_kernel[(num_chunks,)](
         ids, chunk_counts, sorted_ids, num_pairs, max_rows, triton.cdiv(max_rows, num_chunks),
         EXPERTS_PAD=experts_pad, CHUNK=CHUNK, num_warps=8,
     )
-    _scatter_kernel[(num_chunks,)](
+    chunks_each = chunks_each or scatter_chunks_each(num_chunks)
+    num_programs = triton.cdiv(num_chunks, chunks_each)
+    _scatter_kernel[(num_programs,)](
         ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks,
-        block_expert.numel(), triton.cdiv(block_expert.numel(), num_chunks),
+        block_expert.numel(), triton.cdiv(block_expert.numel(), num_programs), chunks_each,
         BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=CHUNK, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
     )
     return sorted_ids, block_expert, num_padded

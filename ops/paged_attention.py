@@ -47,7 +47,7 @@ def _paged_attention_kernel(
     stride_qt, stride_qh, stride_ot, stride_oh,
     stride_kv_page, stride_kv_kind, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_TOKENS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
 ):
     i_q, i_kh = tl.program_id(0), tl.program_id(1)
     i_b = _find_request(p_query_start_loc, num_requests, i_q, BLOCK_Q)
@@ -74,6 +74,7 @@ def _paged_attention_kernel(
     b_max, b_sum, b_acc = attend_pages(
         b_q, q_pos, 0, kv_end, p_page_table + i_b * stride_table, p_kv_head, m_d, scale_log2,
         stride_kv_page, stride_kv_token, stride_kv_kind, BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD, PAGE_TOKENS, BLOCK_N,
+        PREFETCH_PAGES,
     )
     b_out = b_acc / b_sum[:, None]
     p_o = p_out + (q_start + o_q)[:, None] * stride_ot + o_h[:, None] * stride_oh + o_d[None, :]
@@ -132,7 +133,7 @@ def paged_attention_triton(
         query.stride(0), query.stride(1), out.stride(0), out.stride(1), *kv_view.stride(), page_table.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=cfg["BLOCK_Q"], BLOCK_N=cfg["BLOCK_N"],
         PAGE_TOKENS=page_tokens, HEAD_DIM_PAD=max(16, triton.next_power_of_2(head_dim)),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        PREFETCH_PAGES=cfg.get("PREFETCH_PAGES", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
 

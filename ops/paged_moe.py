@@ -3,7 +3,7 @@
 Owns two Triton kernels and their launcher. `_gate_up_kernel` computes, for one M tile of an expert's sorted
 tokens and one N tile of the F features, both the gate and the up tile (each from its own page: the two are never
 concatenated) and stores silu(gate) * up. `_down_kernel` multiplies that by the down page, scales each row by its
-router weight in fp32 and writes one row per (token, k); the sum over k is a torch reduction (deterministic, no
+router weight in fp32 and writes one row per (token, k); the sum over k is `rimuru.ops.topk_sum` (fixed order, no
 atomics). Token sorting lives in `rimuru.ops.moe_align`; the reference is `rimuru.ops.reference.paged_moe`.
 
 Addresses inside the expert view (row stride `stride_page` >= F * D, so padded pools work):
@@ -30,6 +30,7 @@ import triton.language as tl
 from rimuru.ops import reference
 from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import align_tokens
+from rimuru.ops.topk_sum import topk_sum
 
 
 @triton.jit(do_not_specialize=["num_pairs", "top_k"])  # one compile serves every batch size and top-k
@@ -183,12 +184,13 @@ def paged_moe_triton(
     cfg = config or moe_config(num_tokens, num_experts, num_features, hidden_size, top_k, hidden.device,
                                hidden.element_size())  # fmt: skip
     sorted_ids, block_expert, num_padded = align_tokens(topk_ids, num_experts, cfg["BLOCK_M"])
+    # NOTE: no-ops (no launch) for what the model passes, fp32 weights from torch.topk and the int32 page table
     weights = topk_weights.to(torch.float32).contiguous()
     out = moe_gemms(hidden, expert_view, page_table.to(torch.int32).contiguous(), weights, sorted_ids,
                     block_expert, num_padded, num_features, cfg, host)  # [T * K, D]
     if top_k == 1:
         return out
-    return out.view(num_tokens, top_k, hidden_size).sum(1)  # [T, D], fp32 accumulation inside the reduction
+    return topk_sum(out.view(num_tokens, top_k, hidden_size))  # [T, D], fp32 accumulation in k order
 
 
 @torch.library.custom_op("rimuru::paged_moe", mutates_args=(), device_types="cpu")

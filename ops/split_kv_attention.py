@@ -51,7 +51,7 @@ def _split_kv_kernel(
     stride_qt, stride_qh,
     stride_kv_page, stride_kv_kind, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
-    PAGE_TOKENS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+    PAGE_TOKENS: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PREFETCH_PAGES: tl.constexpr,
 ):
     i_b, i_kh, i_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     q_start = tl.load(p_query_start_loc + i_b)
@@ -77,6 +77,7 @@ def _split_kv_kernel(
         b_max, b_sum, b_acc = attend_pages(
             b_q, q_pos, n_lo, n_hi, p_page_table + i_b * stride_table, p_kv_head, m_d, scale_log2,
             stride_kv_page, stride_kv_token, stride_kv_kind, BLOCK_Q * GROUP_PAD, HEAD_DIM_PAD, PAGE_TOKENS, BLOCK_N,
+            PREFETCH_PAGES,
         )
 
         o_row = ((q_start + o_q) * num_heads + o_h) * num_splits + i_s  # [BM] partial index
@@ -147,7 +148,7 @@ def split_kv_attention_triton(
         num_heads, num_splits, head_dim, scale * LOG2_E, query.stride(0), query.stride(1), *kv_view.stride(),
         page_table.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=config["BLOCK_Q"], BLOCK_N=config["BLOCK_N"],
-        PAGE_TOKENS=page_tokens, HEAD_DIM_PAD=head_dim_pad,
+        PAGE_TOKENS=page_tokens, HEAD_DIM_PAD=head_dim_pad, PREFETCH_PAGES=config.get("PREFETCH_PAGES", False),
         num_warps=config["num_warps"], num_stages=config["num_stages"],
     )
     _combine_kernel[(num_tokens, num_heads)](

@@ -2,6 +2,7 @@
 
     python tools/bench_kernels.py --out kernels.json            # on a CUDA GPU
     TRITON_INTERPRET=1 python tools/bench_kernels.py --smoke    # logic check on CPU, tiny shapes, times meaningless
+    python tools/bench_kernels.py --breakdown --out breakdown.json   # the MoE op piece by piece (moe_breakdown.py)
 
 MoE, per model shape and M = 1, 2, 4, ..., 4096 tokens (bf16, softmax top-k routing of random logits):
   paged     both GEMM kernels, experts at shuffled pages of a pool 1.5x the experts' size (sorting excluded)
@@ -47,14 +48,14 @@ GEMM_FLOPS_PER_S = 764e12  # ANCHORS.md: bf16 GEMM 8192^3
 M_VALUES = [2**i for i in range(13)]
 
 
-def time_ms(fn, smoke=False):
+def time_ms(fn, smoke=False, warmup=10, rep=40):
     if smoke:
         start = time.perf_counter()
         fn()
         return (time.perf_counter() - start) * 1e3
     import triton.testing
 
-    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def time_graph_ms(fn):
@@ -210,6 +211,7 @@ def main():
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--smoke", action="store_true", help="CPU logic check under TRITON_INTERPRET=1")
     parser.add_argument("--skip-moe", action="store_true")
+    parser.add_argument("--breakdown", action="store_true", help="only the MoE op piece by piece (about a minute)")
     args = parser.parse_args()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     report = {"argv": sys.argv, "torch": torch.__version__}
@@ -219,6 +221,8 @@ def main():
         report |= {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__,
                    "commit": os.environ.get("RIMURU_COMMIT", "unknown"), "copy_tb_per_s": copy_bandwidth()}
     copy = report.get("copy_tb_per_s")
+    if args.breakdown:
+        return write_breakdown(report, args.out, device, dtype, args.smoke, copy)
     report["attention_decode"] = bench_attention(device, dtype, args.smoke, copy)
     report["topk_sum"] = bench_topk_sum(device, dtype, args.smoke, copy)
     with open(args.out, "w") as f:
@@ -237,6 +241,16 @@ def main():
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     print_moe(report["moe"])
+
+
+def write_breakdown(report, path, device, dtype, smoke, copy_tb_per_s):
+    from moe_breakdown import run_breakdown
+
+    if copy_tb_per_s:
+        print(f"device-to-device copy: {copy_tb_per_s:.2f} TB/s")
+    report["breakdown"] = run_breakdown(device, dtype, smoke, copy_tb_per_s)
+    with open(path, "w") as f:
+        json.dump(report, f, indent=1)
 
 
 def attention_line(row):

@@ -11,6 +11,10 @@
 # Jobs:
 #   gputests  every @pytest.mark.gpu test (ops, models, engine: CUDA graphs against eager); GPUTESTS=paths narrows it
 #   kernels   the split-KV decode attention sweep and the top-k sum (docs/benchmarks/kernels.md)
+#   breakdown the MoE op piece by piece under CUDA graphs, M = 1..4096 (bench_kernels.py --breakdown, ~1 min)
+#   decodesweep  the decode attention variants against the general kernel (sweep_decode_attention.py, ~1.5 min)
+#   opsgpu    the @pytest.mark.gpu tests of tests/ops only (~2 min)
+#   tunesmall retune the qwen1.5-moe M = 1, 2, 4 tiles into $OUT/NVIDIA_H200.json (a copy; ~3-4 min)
 #   profile   where a decode step of 200 requests spends its time (tools/profile_step.py)
 #   throughput  rimuru bench, all experts resident on the whole GPU, the stream all at once (engine.md)
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
@@ -42,6 +46,27 @@ gputests() {
   python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu ${GPUTESTS:-tests/ops tests/models tests/engine} \
     > "$OUT/gputests.log" 2>&1
   tail -15 "$OUT/gputests.log"
+}
+
+breakdown() {
+  timeout 300 python tools/bench_kernels.py --breakdown --out "$OUT/breakdown.json" > "$OUT/breakdown.txt" 2>&1
+  echo "rc=$?"; tail -14 "$OUT/breakdown.txt"
+}
+
+decodesweep() {
+  timeout 300 python tools/sweep_decode_attention.py --out "$OUT/decode_sweep.json" > "$OUT/decode_sweep.txt" 2>&1
+  echo "rc=$?"; grep -v "^  warn" "$OUT/decode_sweep.txt" | tail -60
+}
+
+opsgpu() {
+  timeout 300 python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/ops > "$OUT/opsgpu.log" 2>&1
+  tail -8 "$OUT/opsgpu.log"
+}
+
+tunesmall() {  # compare with ops/configs/NVIDIA_H200.json, then copy the buckets that improved
+  cp ops/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+  timeout 400 python tools/tune_kernels.py --budget-s 240 --models qwen1.5-moe --m 1 2 4 --out "$OUT/NVIDIA_H200.json" \
+    2>&1 | tee "$OUT/tunesmall.txt" | tail -6
 }
 
 kernels() {

@@ -1,23 +1,25 @@
 """Tune the paged MoE tiles per M bucket on this GPU; writes `ops/configs/<GPU name>.json`.
 
-    python tools/tune_kernels.py [--budget-s 240] [--models qwen3-30b-a3b qwen1.5-moe]
+    python tools/tune_kernels.py [--budget-s 240] [--models qwen3-30b-a3b qwen1.5-moe] [--m 1 2 4]
 
 For each model shape and M = 1, 2, 4, ..., 4096 it tries a few BLOCK_M values (the sort depends on it, so both
 kernels share it) and, for each, times the gate/up and the down kernel separately over a small space of
 (BLOCK_N, BLOCK_K, num_warps, num_stages); the best pair is stored, the down kernel's tiles as DOWN_* keys. Times are
 medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left when the budget
-runs out is simply not stored (the lookup then falls back to the nearest tuned M, then to the heuristic).
+runs out is simply not stored (the lookup then falls back to the nearest tuned M, then to the heuristic). `--m`
+retunes only the buckets named (the others stay as the table has them); a bucket's stored tiles compete with the
+search space, so a retune never stores anything slower than what it measured for them.
 """
 
 import argparse
 import itertools
 import json
 import time
+from pathlib import Path
 
 import torch
-import triton.testing
 
-from bench_kernels import M_VALUES, MODELS, expert_pools, routing
+from bench_kernels import M_VALUES, MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import CONFIG_DIR, device_file_name
 from rimuru.ops.moe_align import align_tokens
 from rimuru.ops.paged_moe import launch_down, launch_gate_up
@@ -25,8 +27,8 @@ from rimuru.ops.paged_moe import launch_down, launch_gate_up
 
 def search_space(tokens_per_expert):
     """(BLOCK_M values, kernel tile configs) for a load: decode is bandwidth bound, large M compute bound."""
-    if tokens_per_expert <= 4:
-        block_ms, tiles = [16], itertools.product([16, 32, 64], [128, 256], [4], [3, 5])
+    if tokens_per_expert <= 4:  # weight streaming: narrow N tiles give more programs (88 at BLOCK_N 64, Qwen1.5 M=1)
+        block_ms, tiles = [16], itertools.product([16, 32, 64], [128, 256], [2, 4], [3, 4, 6])
     elif tokens_per_expert <= 48:
         block_ms, tiles = [16, 32, 64], itertools.product([64, 128], [64, 128], [4, 8], [3])
     else:
@@ -35,32 +37,44 @@ def search_space(tokens_per_expert):
     return block_ms, [dict(zip(keys, t)) for t in tiles]
 
 
-def best(fn_of_cfg, tiles):
+def best(fn_of_cfg, tiles, smoke=False):
     timed = []
     for tile in tiles:
         try:
-            timed.append((triton.testing.do_bench(lambda: fn_of_cfg(tile), warmup=5, rep=20,
-                                                  return_mode="median"), tile))
+            timed.append((time_ms(lambda: fn_of_cfg(tile), smoke, warmup=5, rep=20), tile))
         except Exception:  # out of shared memory or registers: not a candidate
             continue
     return min(timed, key=lambda t: t[0])
 
 
-def tune_point(shape, num_tokens, pools):
+def stored_tiles(stored):
+    """(gate/up tiles, down tiles) of a table entry, as search-space dicts."""
+    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    return {k: stored[k] for k in keys}, {k: stored.get(f"DOWN_{k}", stored[k]) for k in keys}
+
+
+def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch.bfloat16, smoke=False):
+    """(ms, config) of the best BLOCK_M and per-kernel tiles; `stored` (the table's entry) competes too."""
     pool, table = pools[0], pools[1]
-    ids, weights = routing(num_tokens, shape, "cuda", seed=num_tokens)
-    hidden = torch.randn(num_tokens, shape["D"], device="cuda", dtype=torch.bfloat16)
+    ids, weights = routing(num_tokens, shape, device, seed=num_tokens)
+    hidden = torch.randn(num_tokens, shape["D"], device=device, dtype=dtype)
     num_pairs = ids.numel()
-    act = torch.empty(num_pairs, shape["F"], device="cuda", dtype=torch.bfloat16)
-    out = torch.empty(num_pairs, shape["D"], device="cuda", dtype=torch.bfloat16)
+    act = torch.empty(num_pairs, shape["F"], device=device, dtype=dtype)
+    out = torch.empty(num_pairs, shape["D"], device=device, dtype=dtype)
     block_ms, tiles = search_space(num_pairs / shape["E"])
+    tiles = tiles[:2] if smoke else tiles
+    if stored and stored["BLOCK_M"] not in block_ms:
+        block_ms = block_ms + [stored["BLOCK_M"]]
     choices = []
     for block_m in block_ms:
         aligned = align_tokens(ids, shape["E"], block_m)
+        gate_up_tiles, down_tiles = tiles, tiles
+        if stored and stored["BLOCK_M"] == block_m:
+            gate_up_tiles, down_tiles = (tiles + [t] for t in stored_tiles(stored))
         gate_up_ms, gate_up = best(lambda t: launch_gate_up(hidden, pool, table, *aligned, act, shape["K"],
-                                                            {"BLOCK_M": block_m, **t}), tiles)
+                                                            {"BLOCK_M": block_m, **t}), gate_up_tiles, smoke)
         down_ms, down = best(lambda t: launch_down(act, pool, table, *aligned, weights, out,
-                                                   {"BLOCK_M": block_m, **t}), tiles)
+                                                   {"BLOCK_M": block_m, **t}), down_tiles, smoke)
         cfg = {"BLOCK_M": block_m, **gate_up, **{f"DOWN_{k}": v for k, v in down.items()}}
         choices.append((gate_up_ms + down_ms, cfg))
     return min(choices, key=lambda c: c[0])
@@ -70,21 +84,29 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--budget-s", type=float, default=240)
     parser.add_argument("--models", nargs="*", default=list(MODELS))
+    parser.add_argument("--m", nargs="*", type=int, default=M_VALUES, help="the M buckets to (re)tune")
+    parser.add_argument("--out", help="table to update (default: ops/configs/<GPU name>.json; none with --smoke)")
+    parser.add_argument("--smoke", action="store_true", help="CPU logic check under TRITON_INTERPRET=1, tiny shape")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
-    path = CONFIG_DIR / device_file_name(torch.cuda.get_device_name())
-    table = json.loads(path.read_text()) if path.exists() else {}
-    pools = {name: expert_pools(MODELS[name], "cuda", torch.bfloat16) for name in args.models}
-    for m in M_VALUES:  # every model's small M first: decode matters most if the budget runs out
-        for name in args.models:
+    device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
+    models = {"tiny": {"E": 6, "F": 40, "D": 72, "K": 2}} if args.smoke else {n: MODELS[n] for n in args.models}
+    path = Path(args.out) if args.out else None if args.smoke else CONFIG_DIR / device_file_name(
+        torch.cuda.get_device_name())
+    table = json.loads(path.read_text()) if path and path.exists() else {}
+    pools = {name: expert_pools(shape, device, dtype) for name, shape in models.items()}
+    for m in sorted(args.m[:2] if args.smoke else args.m):  # small M first: decode matters most if the budget ends
+        for name, shape in models.items():
             if time.monotonic() > deadline:
                 print(f"budget spent: {name} stops before M={m}")
                 continue
-            shape = MODELS[name]
-            ms, cfg = tune_point(shape, m, pools[name])
-            table.setdefault(f"E={shape['E']},F={shape['F']},D={shape['D']}", {})[str(m)] = cfg
-            print(f"{name} M={m}: {ms * 1e3:.1f} us {cfg}", flush=True)
-            path.write_text(json.dumps(table, indent=1) + "\n")
+            buckets = table.setdefault(f"E={shape['E']},F={shape['F']},D={shape['D']}", {})
+            ms, cfg = tune_point(shape, m, pools[name], buckets.get(str(m)), device, dtype, args.smoke)
+            print(f"{name} M={m}: {ms * 1e3:.1f} us (was {buckets.get(str(m))}) {cfg}", flush=True)
+            buckets[str(m)] = cfg
+            if path:
+                path.write_text(json.dumps(table, indent=1) + "\n")
+
 
 if __name__ == "__main__":
     main()

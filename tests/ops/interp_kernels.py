@@ -17,10 +17,12 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 from ops_cases import MIXED_BATCH, attention_case, moe_case  # noqa: E402
 
 from rimuru.ops import reference  # noqa: E402
+from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
 from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton  # noqa: E402
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
 from rimuru.ops.rms_norm import rms_norm_triton  # noqa: E402
+from rimuru.ops.topk_sum import topk_sum_triton  # noqa: E402
 from rimuru.ops.write_kv import write_kv_triton  # noqa: E402
 
 SMALL = {"BLOCK_M": 16, "BLOCK_N": 16, "BLOCK_K": 32, "num_warps": 4, "num_stages": 1}
@@ -107,6 +109,35 @@ def test_split_kv_decode(num_heads, num_kv_heads, num_splits):
     torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_paged_attention_prefetch_pages(num_splits):
+    """Page ids a tile ahead, in the general kernel (mixed batch) and the split kernel: the same results."""
+    case = attention_case(MIXED_BATCH, 8, 2, 24, page_tokens=4, seed=num_splits)
+    ref = reference.paged_attention(*case.args())
+    cfg = {"BLOCK_Q": 4, "BLOCK_N": 16, "num_warps": 4, "num_stages": 1, "NUM_SPLITS": num_splits,
+           "PREFETCH_PAGES": True}
+    tri = paged_attention_triton(*case.args(), config=cfg)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+DECODE_VARIANTS = [{}, {"HEADS_FASTEST": True}, {"PERSISTENT": True}, {"EVEN_TILES": True}, {"PREFETCH_PAGES": True},
+                   {"HEADS_FASTEST": True, "PERSISTENT": True, "EVEN_TILES": True, "PREFETCH_PAGES": True}]
+
+
+@pytest.mark.parametrize("flags", DECODE_VARIANTS)
+@pytest.mark.parametrize("num_heads,num_kv_heads,page_tokens", [(8, 2, 8), (2, 2, 4), (12, 4, 16)])
+def test_decode_attention_variants(flags, num_heads, num_kv_heads, page_tokens):
+    """Every switch of the decode-only kernel against the reference: contexts of 1 to 64 tokens, full and partial
+    tiles, pages poisoned past each context; 2 "SMs" so the persistent grid loops over several items a program."""
+    requests = [(n - 1, 1) for n in (1, 16, 17, 41, 64, 4, 32)]
+    case = attention_case(requests, num_heads, num_kv_heads, 32, page_tokens=page_tokens, seed=len(flags))
+    ref = reference.paged_attention(*case.args())
+    cfg = decode_config(BLOCK_N=16, num_warps=4, num_stages=1, PROGRAMS_PER_SM=1, **flags)
+    tri, _ = decode_attention_triton(case.query, case.kv_view, case.page_table, case.seq_lens, case.scale, cfg,
+                                     num_sms=2)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
 def test_split_kv_any_batch():
     """The split kernel also computes prefill chunks and empty requests (the dispatcher never sends them)."""
     case = attention_case(MIXED_BATCH, 8, 2, 24, page_tokens=4, seed=5)
@@ -166,10 +197,44 @@ def test_align_tokens_layout(num_pairs, num_experts, block_m):
     assert (block_expert[int(num_padded) // block_m:] == num_experts).all()
 
 
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES[:5])
+@pytest.mark.parametrize("one_program", [False, True])
+def test_align_tokens_either_path(num_pairs, num_experts, block_m, one_program):
+    """One program for the whole sort, or count + scatter, whatever the pair count: the torch layout."""
+    topk_ids = torch.randint(0, num_experts, (num_pairs, 1), generator=torch.Generator().manual_seed(num_pairs))
+    ref = align_tokens_torch(topk_ids, num_experts, block_m)
+    tri = align_tokens_triton(topk_ids, num_experts, block_m, one_program=one_program)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,chunks_each", [(9000, 4, 3), (2000, 60, 2), (1000, 128, 5),
+                                                                (20000, 128, None), (300, 5, 9)])
+def test_align_tokens_chunks_each_program(num_pairs, num_experts, chunks_each):
+    """A scatter program taking several chunks (None: the default for 157 chunks) lays the rows out the same."""
+    topk_ids = torch.randint(0, num_experts, (num_pairs // 4, 4), generator=torch.Generator().manual_seed(num_pairs))
+    ref = align_tokens_torch(topk_ids, num_experts, 16)
+    tri = align_tokens_triton(topk_ids, num_experts, 16, chunks_each)
+    for a, b in zip(ref, tri):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("shape", [(1, 72), (3, 24), (130, 2048), (5, 4, 17)])
 def test_rms_norm(shape):
     x, weight = torch.randn(*shape) * 3, torch.randn(shape[-1])
     ref = reference.rms_norm(x, weight, 1e-6)
     tri = rms_norm_triton(x, weight, 1e-6)
     assert tri.shape == ref.shape
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,hidden_size,block_d", [(1, 1, 72, 1024), (3, 8, 2048, 1024),
+                                                                   (5, 3, 1000, 256), (130, 4, 72, 32), (7, 6, 33, 16)])
+def test_topk_sum(num_tokens, top_k, hidden_size, block_d):
+    """Rows of a padded buffer (NaN between tokens' rows and past D): only the K rows of each token are read."""
+    base = torch.full((num_tokens, top_k + 1, hidden_size + 5), float("nan"))
+    pairs = base[:, :top_k, :hidden_size]  # [T, K, D], strides of the padded buffer
+    pairs.copy_(torch.randn(num_tokens, top_k, hidden_size, generator=torch.Generator().manual_seed(top_k)))
+    ref = pairs.sum(1)
+    tri = topk_sum_triton(pairs, {"BLOCK_D": block_d, "num_warps": 4})
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)

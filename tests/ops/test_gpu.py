@@ -116,11 +116,43 @@ def test_compile_fullgraph_inductor_cuda():
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 128, 8, 16), (4096, 128, 8, 128),
-                                                                    (777, 60, 4, 32), (3000, 60, 4, 64)])
-def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block_m):
+                                                                    (777, 60, 4, 32), (3000, 60, 4, 64),
+                                                                    (8, 128, 8, 16), (64, 60, 4, 16)])
+@pytest.mark.parametrize("one_program", [None, False, True])  # None: the path the op takes
+def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block_m, one_program):
     from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton
 
     topk_ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices
     for ref, tri in zip(align_tokens_torch(topk_ids, num_experts, block_m),
-                        align_tokens_triton(topk_ids, num_experts, block_m)):
+                        align_tokens_triton(topk_ids, num_experts, block_m, one_program=one_program)):
         assert torch.equal(ref, tri)
+
+
+@pytest.mark.parametrize("num_tokens,top_k,hidden_size", [(1, 8, 2048), (4096, 8, 2048), (777, 4, 2048), (9, 6, 136)])
+def test_topk_sum_bf16_fixed_order(num_tokens, top_k, hidden_size):
+    """fp32 accumulation in k order: within a bf16 rounding of the fp32 sum, and the same bits on every run."""
+    from rimuru.ops.topk_sum import topk_sum
+
+    pairs = torch.randn(num_tokens, top_k, hidden_size, device="cuda").to(torch.bfloat16)
+    ref = pairs.float().sum(1)
+    poison_allocator()
+    tri = topk_sum(pairs)
+    assert tri.dtype == torch.bfloat16 and rel_err(tri, ref) < 1e-2
+    assert torch.equal(tri, topk_sum(pairs.clone()))
+
+
+@pytest.mark.parametrize("flags", [{}, {"HEADS_FASTEST": True, "EVEN_TILES": True, "PREFETCH_PAGES": True},
+                                   {"HEADS_FASTEST": True, "EVEN_TILES": True, "PREFETCH_PAGES": True,
+                                    "PERSISTENT": True}])
+@pytest.mark.parametrize("tile", [(128, 8, 2), (64, 4, 4), (32, 4, 6)])
+def test_decode_attention_variants_bf16(flags, tile):
+    from rimuru.ops.decode_attention import decode_attention_triton, decode_config
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    requests = [(n, 1) for n in (0, 15, 16, 200, 1023, 77, 4000, 127)]
+    case = attention_case(requests, 32, 4, 128, 16, torch.bfloat16, "cuda", seed)
+    ref = reference.paged_attention(*as_fp32(case.args()))
+    cfg = decode_config(BLOCK_N=tile[0], num_warps=tile[1], num_stages=tile[2], **flags)
+    poison_allocator()
+    tri, _ = decode_attention_triton(case.query, case.kv_view, case.page_table, case.seq_lens, case.scale, cfg)
+    assert rel_err(tri, ref) < 1e-2

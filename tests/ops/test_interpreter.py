@@ -16,7 +16,9 @@ HERE = Path(__file__).parent
 
 def test_kernels_under_triton_interpreter():
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interp_kernels.py")]
+    # -P: the repository root must not come first on sys.path, or its `rimuru/` folder (without ops/) shadows the
+    # package laid out on PYTHONPATH and an editable install elsewhere supplies `rimuru.ops` instead
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(HERE / "interp_kernels.py")]
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]
@@ -32,3 +34,27 @@ def test_direct_reads_benchmark_runs_and_matches_resident(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
     assert len(rows) == 4 and all(r["equal_to_resident"] for r in rows)
+
+
+def test_moe_breakdown_runs(tmp_path):
+    """`tools/bench_kernels.py --breakdown --smoke`: every piece is timed and the Triton top-k sum equals torch's."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "breakdown.json"
+    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_kernels.py"), "--breakdown", "--smoke", "--out",
+           str(out)]
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(out.read_text())["breakdown"]
+    assert len(rows) == 2 and all(r["casts_noop"] and r["op_rel_diff_vs_torch_sum"] < 1e-6 for r in rows)
+
+
+def test_decode_attention_sweep_runs(tmp_path):
+    """`tools/sweep_decode_attention.py --smoke`: every stage runs and every variant matches the reference."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "sweep.json"
+    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "sweep_decode_attention.py"), "--smoke", "--out", str(out)]
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = report["target"] + report["shapes"]
+    assert len(report["finalists"]) == 3 and len(rows) == 17 and all("us" in r for r in rows)

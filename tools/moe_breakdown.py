@@ -1,0 +1,173 @@
+"""Where the whole MoE op's time goes: each piece of `paged_moe_triton` timed alone under CUDA graph replay.
+
+    python tools/bench_kernels.py --breakdown --out breakdown.json               # on a CUDA GPU, ~1 minute
+    TRITON_INTERPRET=1 python tools/bench_kernels.py --breakdown --smoke         # logic check on CPU
+
+Per model shape and M = 1, 8, 64, 1024, 4096 (the same inputs as the main benchmark), each a captured graph of:
+  floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
+  align         align_tokens as the op runs it; align_paths: its other paths where they apply (one program for the
+                whole sort up to 8 chunks of pairs, count + scatter, one scatter program a chunk as before)
+  casts         topk_weights.to(fp32) and page_table.to(int32); 0 and `casts_noop` when both return their input
+  gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them
+  sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
+  op            the whole op as wired (Triton top-k sum on CUDA); op_torch_sum: the same with torch's sum
+  unexplained   op - (align + gemms + sum_triton) + 2 * floor   (three pieces each paid one floor, the op one)
+Times are medians of CUDA events around graph replays (triton.testing.do_bench: L2 flushed before each replay, so
+each piece starts cold where in the op its input may still sit in L2). Does not own the main tables
+(`tools/bench_kernels.py`).
+"""
+
+import contextlib
+import importlib
+
+import torch
+
+from bench_kernels import MODELS, expert_pools, routing, time_ms
+from rimuru.ops.configs import moe_config
+from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton,
+                                  scatter_chunks_each)
+from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
+from rimuru.ops.topk_sum import topk_sum_triton
+
+BREAKDOWN_M = [1, 8, 64, 1024, 4096]
+SUM_TILES = [{"BLOCK_D": 2048, "num_warps": 8}, {"BLOCK_D": 512, "num_warps": 4}, {"BLOCK_D": 1024, "num_warps": 8}]
+
+
+def time_graph_us(fn, smoke):
+    """Median us of replaying a graph that holds one call of `fn` (a plain timed call in smoke mode)."""
+    if smoke:
+        return 1e3 * time_ms(fn, smoke=True)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()  # compiles and warms the allocator outside the capture
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    import triton.testing
+
+    return 1e3 * triton.testing.do_bench(graph.replay, warmup=5, rep=20, return_mode="median")
+
+
+@contextlib.contextmanager
+def torch_topk_sum():
+    """The op with torch's `.sum(1)` instead of the Triton kernel (what it ran before)."""
+    paged_moe_module = importlib.import_module("rimuru.ops.paged_moe")  # the attribute is the op, not the module
+    wired = paged_moe_module.topk_sum
+    paged_moe_module.topk_sum = lambda pairs: pairs.sum(1)
+    try:
+        yield
+    finally:
+        paged_moe_module.topk_sum = wired
+
+
+def point_inputs(shape, num_tokens, device, dtype):
+    ids, weights = routing(num_tokens, shape, device, seed=num_tokens)
+    hidden = torch.randn(num_tokens, shape["D"], device=device, dtype=dtype)
+    cfg = moe_config(num_tokens, shape["E"], shape["F"], shape["D"], shape["K"], device)
+    return ids, weights, hidden, cfg
+
+
+def time_align(row, ids, shape, cfg, smoke):
+    """The op's sort, then the other paths where they apply: one program (up to 8 chunks), count + scatter, and one
+    chunk a scatter program (where the default takes several)."""
+    num_chunks = -(-ids.numel() // CHUNK)
+    row["align_us"] = time_graph_us(lambda: align_tokens(ids, shape["E"], cfg["BLOCK_M"]), smoke)
+    row["align_path"] = "one program" if num_chunks <= ONE_PROGRAM_CHUNKS else \
+        f"count + scatter, {scatter_chunks_each(num_chunks)} chunk(s) a scatter program"
+    paths = {}
+    if num_chunks <= 8:
+        paths["one program"] = {"one_program": True}
+        paths["count + scatter"] = {"one_program": False}
+    if scatter_chunks_each(num_chunks) > 1 or smoke:
+        paths["1 chunk a scatter program"] = {"one_program": False, "chunks_each": 1}
+    row["align_paths_us"] = {name: time_graph_us(
+        lambda kw=kw: align_tokens_triton(ids, shape["E"], cfg["BLOCK_M"], **kw), smoke) for name, kw in paths.items()}
+
+
+def time_casts(row, weights, table, smoke):
+    cast = lambda: (weights.to(torch.float32).contiguous(), table.to(torch.int32).contiguous())  # noqa: E731
+    same = [a.data_ptr() == b.data_ptr() for a, b in zip(cast(), (weights, table))]
+    row["casts_noop"] = all(same)
+    row["casts_us"] = 0.0 if row["casts_noop"] else time_graph_us(cast, smoke)
+
+
+def time_gemms(row, hidden, pool, table, weights, aligned, shape, cfg, smoke):
+    num_pairs = weights.numel()
+    act = torch.empty(num_pairs, shape["F"], device=hidden.device, dtype=hidden.dtype)
+    out = torch.empty(num_pairs, shape["D"], device=hidden.device, dtype=hidden.dtype)
+    launch_gate_up(hidden, pool, table, *aligned, act, shape["K"], cfg)  # act holds real values for the down run
+    row["gate_up_us"] = time_graph_us(lambda: launch_gate_up(hidden, pool, table, *aligned, act, shape["K"], cfg),
+                                      smoke)
+    row["down_us"] = time_graph_us(lambda: launch_down(act, pool, table, *aligned, weights, out, cfg), smoke)
+    row["gemms_us"] = time_graph_us(lambda: moe_gemms(hidden, pool, table, weights, *aligned, shape["F"], cfg), smoke)
+    return out
+
+
+def time_sums(row, out, shape, smoke, copy_tb_per_s):
+    pairs = out.view(-1, shape["K"], shape["D"])  # [T, K, D]
+    moved = pairs.numel() * pairs.element_size() * (1 + 1 / shape["K"])  # read [T, K, D], write [T, D]
+    row["sum_torch_us"] = time_graph_us(lambda: pairs.sum(1), smoke)
+    row["sum_triton_us"] = time_graph_us(lambda: topk_sum_triton(pairs), smoke)
+    if pairs.shape[0] >= 1024 or smoke:
+        row["sum_triton_tiles_us"] = {f"{t['BLOCK_D']}/{t['num_warps']}w": time_graph_us(
+            lambda t=t: topk_sum_triton(pairs, t), smoke) for t in SUM_TILES}
+    if copy_tb_per_s:
+        for key in ("sum_torch", "sum_triton"):
+            row[f"{key}_of_copy"] = moved / (row[f"{key}_us"] * 1e6) / copy_tb_per_s
+    ref = pairs.float().sum(1)
+    row["sum_triton_max_abs_diff"] = (topk_sum_triton(pairs).float() - ref).abs().max().item()
+
+
+def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_tb_per_s, floor_us):
+    pool, table = pools[0], pools[1]
+    ids, weights, hidden, cfg = point_inputs(shape, num_tokens, device, dtype)
+    row = {"model": name, "M": num_tokens, "pairs": ids.numel(), "config": cfg, "floor_us": floor_us}
+    time_align(row, ids, shape, cfg, smoke)
+    time_casts(row, weights, table, smoke)
+    aligned = align_tokens(ids, shape["E"], cfg["BLOCK_M"])
+    out = time_gemms(row, hidden, pool, table, weights, aligned, shape, cfg, smoke)
+    time_sums(row, out, shape, smoke, copy_tb_per_s)
+    whole = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"])  # noqa: E731
+    row["op_us"] = time_graph_us(whole, smoke)
+    with torch_topk_sum():
+        row["op_torch_sum_us"] = time_graph_us(whole, smoke)
+        torch_out = whole()
+    row["op_rel_diff_vs_torch_sum"] = ((whole().float() - torch_out.float()).norm() / torch_out.float().norm()).item()
+    pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_triton_us"]
+    row["unexplained_us"] = row["op_us"] - pieces + 2 * floor_us
+    return row
+
+
+def graph_floor_us(device, smoke):
+    tiny = torch.zeros(1, device=device)
+    return time_graph_us(lambda: tiny.add_(1), smoke)
+
+
+def run_breakdown(device, dtype, smoke, copy_tb_per_s=None):
+    models = {"tiny": {"E": 6, "F": 40, "D": 72, "K": 2}} if smoke else MODELS
+    floor_us = graph_floor_us(device, smoke)
+    rows = []
+    for name, shape in models.items():
+        pools = expert_pools(shape, device, dtype)
+        for m in ([1, 70] if smoke else BREAKDOWN_M):
+            rows.append(breakdown_point(name, shape, m, pools, device, dtype, smoke, copy_tb_per_s, floor_us))
+            print_row(rows[-1], header=len(rows) == 1)
+        del pools
+    return rows
+
+
+def print_row(r, header=False):
+    if header:
+        print(f"breakdown, us under CUDA graph replay (floor {r['floor_us']:.1f} us = an almost empty graph)")
+        print("model M pairs | align casts | gate_up down gemms | sum torch (copy%) triton (copy%) |"
+              " op op_torch_sum | unexplained | sum tiles | other sort paths")
+    paths = " ".join(f"{k}:{v:.1f}" for k, v in r["align_paths_us"].items())
+    share = {k: f" ({100 * r[f'{k}_of_copy']:.0f}%)" if f"{k}_of_copy" in r else ""
+             for k in ("sum_torch", "sum_triton")}
+    tiles = " ".join(f"{k}:{v:.1f}" for k, v in r.get("sum_triton_tiles_us", {}).items())
+    print(f"{r['model']} {r['M']} {r['pairs']} | {r['align_us']:.1f} {r['casts_us']:.1f} |"
+          f" {r['gate_up_us']:.1f} {r['down_us']:.1f} {r['gemms_us']:.1f} |"
+          f" {r['sum_torch_us']:.1f}{share['sum_torch']} {r['sum_triton_us']:.1f}{share['sum_triton']} |"
+          f" {r['op_us']:.1f} {r['op_torch_sum_us']:.1f} | {r['unexplained_us']:+.1f} | {tiles} | {paths}", flush=True)
