@@ -20,8 +20,10 @@ import triton
 import triton.language as tl
 
 CHUNK = 128  # pairs a program sorts; [CHUNK, E] one-hot tiles stay in registers
-SCATTER_PROGRAMS = 64  # scatter programs wanted once there are more chunks (not yet measured against 1 chunk each)
-ONE_PROGRAM_CHUNKS = 2  # up to this many chunks the whole sort is one launch of one program (not yet measured)
+# NOTE: both off (the layout measured on the H200) until `bench_kernels.py --breakdown` times them there; the
+# candidates it times: SCATTER_PROGRAMS = 64 and ONE_PROGRAM_CHUNKS = 2
+SCATTER_PROGRAMS = None  # scatter programs wanted once there are more chunks; None: one program a chunk
+ONE_PROGRAM_CHUNKS = 0  # up to this many chunks the whole sort is one launch of one program
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -129,7 +131,7 @@ def _align_one_program_kernel(
 def scatter_chunks_each(num_chunks: int) -> int:
     """Chunks a scatter program takes: one up to SCATTER_PROGRAMS chunks, then enough to keep that many programs
     (each reads the whole [chunks, E] count table: 256 programs x 128 KB at 32768 pairs and E = 128)."""
-    return max(1, num_chunks // SCATTER_PROGRAMS)
+    return 1 if SCATTER_PROGRAMS is None else max(1, num_chunks // SCATTER_PROGRAMS)
 
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunks_each: int | None = None,

@@ -1,6 +1,6 @@
 """The MoE op's last step: sum the K router-weighted rows of each token, in a fixed order (no atomics).
 
-Owns one Triton kernel and `topk_sum`, which picks it on CUDA and torch's `.sum(1)` elsewhere (CPU, and the
+Owns one Triton kernel and `topk_sum`, which picks it on CUDA (when KERNEL_ON_CUDA) and torch's `.sum(1)` elsewhere (CPU, and the
 reference's definition). Each program reads the K rows of one token over BLOCK_D columns, adds them in k order
 in fp32 and writes one row in the input's dtype, so a token's output never depends on run-to-run timing:
 
@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 TOPK_SUM_TILES = {"BLOCK_D": 1024, "num_warps": 4}  # 8 bf16 a thread: one 16-byte load per row and thread
+KERNEL_ON_CUDA = False  # NOTE: torch's sum until `bench_kernels.py --breakdown` has timed the kernel on the H200
 
 
 @triton.jit(do_not_specialize=["hidden_size"])
@@ -52,7 +53,8 @@ def topk_sum_triton(pairs: torch.Tensor, tiles: dict | None = None) -> torch.Ten
 
 
 def topk_sum(pairs: torch.Tensor) -> torch.Tensor:  # [T, K, D] -> [T, D]
-    """Sum over k with fp32 accumulation, output in the input's dtype: the kernel on CUDA, torch elsewhere."""
-    if pairs.is_cuda and pairs.stride(2) == 1:
+    """Sum over k with fp32 accumulation, output in the input's dtype: the kernel on CUDA (once KERNEL_ON_CUDA),
+    torch elsewhere."""
+    if KERNEL_ON_CUDA and pairs.is_cuda and pairs.stride(2) == 1:
         return topk_sum_triton(pairs)
     return pairs.sum(1)

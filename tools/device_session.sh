@@ -58,7 +58,7 @@ decodesweep() {
   echo "rc=$?"; grep -v "^  warn" "$OUT/decode_sweep.txt" | tail -60
 }
 
-opsgpu() {
+opsgpu() {  # = GPUTESTS=tests/ops gputests, with its own log
   timeout 300 python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu tests/ops > "$OUT/opsgpu.log" 2>&1
   tail -8 "$OUT/opsgpu.log"
 }

@@ -6,12 +6,12 @@
 Per model shape and M = 1, 8, 64, 1024, 4096 (the same inputs as the main benchmark), each a captured graph of:
   floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
   align         align_tokens as the op runs it; align_paths: its other paths where they apply (one program for the
-                whole sort up to 8 chunks of pairs, count + scatter, one scatter program a chunk as before)
+                whole sort up to 8 chunks of pairs, count + scatter, one scatter program a chunk against 64 programs)
   casts         topk_weights.to(fp32) and page_table.to(int32); 0 and `casts_noop` when both return their input
   gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them
   sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
-  op            the whole op as wired (Triton top-k sum on CUDA); op_torch_sum: the same with torch's sum
-  unexplained   op - (align + gemms + sum_triton) + 2 * floor   (three pieces each paid one floor, the op one)
+  op            the whole op as wired by default; op_torch_sum and op_triton_sum: with each top-k sum
+  unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one)
 Times are medians of CUDA events around graph replays (triton.testing.do_bench: L2 flushed before each replay, so
 each piece starts cold where in the op its input may still sit in L2). Does not own the main tables
 (`tools/bench_kernels.py`).
@@ -30,6 +30,7 @@ from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_m
 from rimuru.ops.topk_sum import topk_sum_triton
 
 BREAKDOWN_M = [1, 8, 64, 1024, 4096]
+CANDIDATE_SCATTER_PROGRAMS = 64  # the scatter split timed against one program a chunk
 SUM_TILES = [{"BLOCK_D": 2048, "num_warps": 8}, {"BLOCK_D": 512, "num_warps": 4}, {"BLOCK_D": 1024, "num_warps": 8}]
 
 
@@ -51,11 +52,11 @@ def time_graph_us(fn, smoke):
 
 
 @contextlib.contextmanager
-def torch_topk_sum():
-    """The op with torch's `.sum(1)` instead of the Triton kernel (what it ran before)."""
+def wired_topk_sum(sum_fn):
+    """The op with `sum_fn` as its top-k sum (torch's `.sum(1)` or the Triton kernel), whatever the default."""
     paged_moe_module = importlib.import_module("rimuru.ops.paged_moe")  # the attribute is the op, not the module
     wired = paged_moe_module.topk_sum
-    paged_moe_module.topk_sum = lambda pairs: pairs.sum(1)
+    paged_moe_module.topk_sum = sum_fn
     try:
         yield
     finally:
@@ -80,8 +81,10 @@ def time_align(row, ids, shape, cfg, smoke):
     if num_chunks <= 8:
         paths["one program"] = {"one_program": True}
         paths["count + scatter"] = {"one_program": False}
-    if scatter_chunks_each(num_chunks) > 1 or smoke:
+    if num_chunks > CANDIDATE_SCATTER_PROGRAMS or smoke:
         paths["1 chunk a scatter program"] = {"one_program": False, "chunks_each": 1}
+        paths[f"{CANDIDATE_SCATTER_PROGRAMS} scatter programs"] = {
+            "one_program": False, "chunks_each": max(1, num_chunks // CANDIDATE_SCATTER_PROGRAMS)}
     row["align_paths_us"] = {name: time_graph_us(
         lambda kw=kw: align_tokens_triton(ids, shape["E"], cfg["BLOCK_M"], **kw), smoke) for name, kw in paths.items()}
 
@@ -130,13 +133,16 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     out = time_gemms(row, hidden, pool, table, weights, aligned, shape, cfg, smoke)
     time_sums(row, out, shape, smoke, copy_tb_per_s)
     whole = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"])  # noqa: E731
-    row["op_us"] = time_graph_us(whole, smoke)
-    with torch_topk_sum():
-        row["op_torch_sum_us"] = time_graph_us(whole, smoke)
-        torch_out = whole()
-    row["op_rel_diff_vs_torch_sum"] = ((whole().float() - torch_out.float()).norm() / torch_out.float().norm()).item()
-    pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_triton_us"]
-    row["unexplained_us"] = row["op_us"] - pieces + 2 * floor_us
+    row["op_us"] = time_graph_us(whole, smoke)  # as wired by default
+    outputs = {}
+    for name, sum_fn in (("torch_sum", lambda pairs: pairs.sum(1)), ("triton_sum", topk_sum_triton)):
+        with wired_topk_sum(sum_fn):
+            row[f"op_{name}_us"] = time_graph_us(whole, smoke)
+            outputs[name] = whole().float()
+    ref = outputs["torch_sum"]
+    row["op_rel_diff_vs_torch_sum"] = ((outputs["triton_sum"] - ref).norm() / ref.norm()).item()
+    pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_torch_us"]
+    row["unexplained_us"] = row["op_torch_sum_us"] - pieces + 2 * floor_us
     return row
 
 
@@ -162,7 +168,7 @@ def print_row(r, header=False):
     if header:
         print(f"breakdown, us under CUDA graph replay (floor {r['floor_us']:.1f} us = an almost empty graph)")
         print("model M pairs | align casts | gate_up down gemms | sum torch (copy%) triton (copy%) |"
-              " op op_torch_sum | unexplained | sum tiles | other sort paths")
+              " op op_torch_sum op_triton_sum | unexplained | sum tiles | other sort paths")
     paths = " ".join(f"{k}:{v:.1f}" for k, v in r["align_paths_us"].items())
     share = {k: f" ({100 * r[f'{k}_of_copy']:.0f}%)" if f"{k}_of_copy" in r else ""
              for k in ("sum_torch", "sum_triton")}
@@ -170,4 +176,4 @@ def print_row(r, header=False):
     print(f"{r['model']} {r['M']} {r['pairs']} | {r['align_us']:.1f} {r['casts_us']:.1f} |"
           f" {r['gate_up_us']:.1f} {r['down_us']:.1f} {r['gemms_us']:.1f} |"
           f" {r['sum_torch_us']:.1f}{share['sum_torch']} {r['sum_triton_us']:.1f}{share['sum_triton']} |"
-          f" {r['op_us']:.1f} {r['op_torch_sum_us']:.1f} | {r['unexplained_us']:+.1f} | {tiles} | {paths}", flush=True)
+          f" {r['op_us']:.1f} {r['op_torch_sum_us']:.1f} {r['op_triton_sum_us']:.1f} | {r['unexplained_us']:+.1f} | {tiles} | {paths}", flush=True)

@@ -131,7 +131,7 @@ def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block
 @pytest.mark.parametrize("num_tokens,top_k,hidden_size", [(1, 8, 2048), (4096, 8, 2048), (777, 4, 2048), (9, 6, 136)])
 def test_topk_sum_bf16_fixed_order(num_tokens, top_k, hidden_size):
     """fp32 accumulation in k order: within a bf16 rounding of the fp32 sum, and the same bits on every run."""
-    from rimuru.ops.topk_sum import topk_sum
+    from rimuru.ops.topk_sum import topk_sum_triton as topk_sum
 
     pairs = torch.randn(num_tokens, top_k, hidden_size, device="cuda").to(torch.bfloat16)
     ref = pairs.float().sum(1)
