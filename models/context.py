@@ -23,8 +23,9 @@ class ForwardContext:
     logits_indices: torch.Tensor  # [B'] int64, tokens whose logits are wanted (last token of finished prefills)
     # Called by each MoE layer after routing, before the expert kernel: (layer_idx, router_input [T, D],
     # topk_ids [T, K]). The expert manager uses it to prefetch and to copy in routed experts that are not in
-    # the pool, updating `expert_page_tables` in place. None when every expert is resident.
-    on_routing: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None
+    # the pool, updating `expert_page_tables` in place; it may return work for before the next routing
+    # (`rimuru.models.pieces.RoutingHook`). None when every expert is resident.
+    on_routing: Callable[[int, torch.Tensor, torch.Tensor], Callable[[], None] | None] | None = None
     # MoE layer -> its pinned host copies (gate [E, F, D], up [E, F, D], down [E, D, F]): the expert kernel reads an
     # expert whose page-table entry is -1 there, over the host link (expert_reads="direct"). None: never.
     host_experts: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None

@@ -1,7 +1,7 @@
 """A forward pass in pieces: the model's `steps` generators pause after each MoE layer's router.
 
 The pause is where the expert manager works (copy routed experts in, prefetch the next layer's) before the expert
-kernel reads the page table. `run_pieces` drives a pass eagerly, calling the context's `on_routing` hook at each
+kernel reads the page table; the hook may hand back work that can wait until the next piece is queued. `run_pieces` drives a pass eagerly, calling the context's `on_routing` hook at each
 pause; `rimuru.decode_graphs` captures each piece between two pauses as a CUDA graph and runs the hook between
 replays. Either way the model code is the same, so the two paths compute the same tokens.
 
@@ -24,12 +24,16 @@ class RoutingPoint(NamedTuple):
 Pieces = Generator[RoutingPoint, None, torch.Tensor]  # yields at each routing, returns the pass's output
 
 
-def run_pieces(pieces: Pieces, on_routing: Callable[[int, torch.Tensor, torch.Tensor], None] | None) -> torch.Tensor:
-    """Run every piece of a pass, calling `on_routing(layer_idx, hidden, topk_ids)` at each pause."""
+RoutingHook = Callable[[int, torch.Tensor, torch.Tensor], Callable[[], None] | None]
+
+
+def run_pieces(pieces: Pieces, on_routing: RoutingHook | None) -> torch.Tensor:
+    """Run every piece of a pass, calling `on_routing(layer_idx, hidden, topk_ids)` at each pause. A hook may return
+    work that only has to be done before the next pause (a prefetch); eagerly, that runs at once."""
     while True:
         try:
             point = next(pieces)
         except StopIteration as done:
             return done.value
-        if on_routing is not None:
-            on_routing(*point)
+        if on_routing is not None and (later := on_routing(*point)) is not None:
+            later()

@@ -50,7 +50,7 @@ def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True) -
             for request in updated:
                 clock.tokens.setdefault(request.request_id, []).append(now)
             bar.update(sum(r.is_finished for r in updated))
-            series.append(_sample(engine, now, sum(1 for _ in updated)))
+            series.append(_sample(engine, now, sum(1 for _ in updated), before))
     wall = time.perf_counter() - start
     return _record(engine, requests, clock, series, wall, before)
 
@@ -61,7 +61,7 @@ def _submit(engine: Engine, request: dict, clock: _Clock, now: float) -> None:
     clock.arrival[request["id"]] = now
 
 
-def _sample(engine: Engine, now: float, num_tokens: int) -> dict:
+def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
     stats = engine.allocator.stats()
     return {
         "t": round(now, 4),
@@ -73,14 +73,15 @@ def _sample(engine: Engine, now: float, num_tokens: int) -> dict:
         "free_expert_pages": stats["free_expert_pages"],
         "trapped_kv_pages": stats["kv_trapped_pages"],
         "offloaded_experts": engine.experts.num_offloaded,
-        "prefetch_hits": engine.expert_manager.stats.prefetch_hits,  # cumulative: hit rate over time
-        "prefetch_misses": engine.expert_manager.stats.prefetch_misses,
+        "prefetch_hits": engine.expert_manager.stats.prefetch_hits - before["experts"]["prefetch_hits"],  # cumulative
+        "prefetch_misses": engine.expert_manager.stats.prefetch_misses - before["experts"]["prefetch_misses"],
     }
 
 
 def _counters(engine: Engine) -> dict:
+    """The engine's running totals, so a record counts only its own run (not a warm-up before it)."""
     return {"forward_steps": engine.num_steps, "graph_steps": engine.runner.num_graph_steps,
-            "bytes_copied": engine.expert_stats["bytes_copied"]}  # fmt: skip
+            "preemptions": engine.scheduler.num_preemptions, "experts": engine.expert_stats}  # fmt: skip
 
 
 def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict) -> dict:
@@ -88,7 +89,7 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in clock.tokens.values() if len(t) > 1]
     itl = [b - a for t in clock.tokens.values() for a, b in zip(t, t[1:])]
     output_tokens = sum(len(t) for t in clock.tokens.values())
-    experts = engine.expert_stats
+    experts = {key: value - before["experts"][key] for key, value in engine.expert_stats.items()}
     lookups = experts["prefetch_hits"] + experts["prefetch_misses"]
     return {
         "requests": len(requests),
@@ -103,15 +104,16 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
         "mean_concurrency": round(statistics.fmean(s["running"] for s in series), 2) if series else 0,
         "forward_steps": engine.num_steps - before["forward_steps"],
         "graph_steps": engine.runner.num_graph_steps - before["graph_steps"],  # of those, CUDA graph replays
-        "preemptions": engine.scheduler.num_preemptions,
+        "preemptions": engine.scheduler.num_preemptions - before["preemptions"],
         "evictions": experts["evictions"],
         "additions": experts["additions"],
         "swaps": experts["swaps"],
         "direct_reads": experts["direct_reads"],  # expert_reads="direct": host experts read in place, per layer pass
-        "bytes_copied": experts["bytes_copied"] - before["bytes_copied"],
+        "bytes_copied": experts["bytes_copied"],
         "prefetch_hit_rate": round(experts["prefetch_hits"] / lookups, 4) if lookups else None,
         "hook_seconds": round(experts["hook_seconds"], 3),
         "routing_wait_seconds": round(experts["routing_wait_seconds"], 3),  # of it, the GPU finishing layers
+        "prefetch_seconds": round(experts["prefetch_seconds"], 3),  # of it, issuing prefetches (graphs: overlapped)
         "peak_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
         "series": series,
     }

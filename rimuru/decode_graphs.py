@@ -5,7 +5,9 @@ Eager decode of 200 requests spends 40 ms a step on the host launching kernels t
 captured once per batch size of `batch_sizes`, all in one memory pool. A step writes its inputs into static
 buffers, pads the batch to the next captured size and replays the pieces in order; between two pieces it runs the
 routing hook on the real rows exactly as the eager pass does (copies of routed experts, prefetch of the next
-layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook left them.
+layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook left them. The
+prefetch the hook hands back is issued after the next piece is queued, so the host issues its copies while the
+GPU computes.
 
 Padding rows are decodes of token 0 at position 0 with a single K/V slot in a scratch page that belongs to the
 graphs, so they write into and read from no request's pages, and they route like row 0 (`padding_rows`), so they
@@ -180,17 +182,18 @@ class DecodeGraphs:
         self._write_inputs(inputs)
         self._write_padding(num_requests, size)
 
-        def hook(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
-            on_routing(layer_idx, hidden[:num_requests], topk_ids[:num_requests])  # padding rows never load experts
+        def hook(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
+            return on_routing(layer_idx, hidden[:num_requests], topk_ids[:num_requests])  # padding rows load nothing
 
         hook = hook if on_routing is not None else None
         if not self.capture:
             return run_pieces(self._pieces(size), hook)[:num_requests]
-        captured = self.captured[size]
+        captured, later = self.captured[size], None
         for graph, point in zip(captured.graphs, captured.points + [None]):
             graph.replay()
-            if point is not None and hook is not None:
-                hook(*point)
+            if later is not None:  # the hook's prefetch, issued while the GPU runs the piece just queued
+                later()
+            later = hook(*point) if point is not None and hook is not None else None
         return self.logits[:num_requests]
 
     def _write_inputs(self, inputs) -> None:

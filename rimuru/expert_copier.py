@@ -16,6 +16,7 @@ import torch
 class ExpertCopier:
     def __init__(self, expert_view: torch.Tensor):
         self.expert_view = expert_view  # [P, F * D]
+        self._pages = expert_view.unbind(0)  # each page's row, made once: a copy indexes no view
         self.is_cuda = expert_view.device.type == "cuda"
         self.stream = torch.cuda.Stream(expert_view.device) if self.is_cuda else None
         self.bytes_copied = 0
@@ -28,11 +29,20 @@ class ExpertCopier:
         `after`: an event the copy must wait for (the last reader of the destination pages). With
         `side_stream=False` the copy is queued on the compute stream (the miss path, which must finish anyway).
         """
-        num_bytes = sum(m.numel() * m.element_size() for m in matrices)
+        return self.copy_many([(page_ids, matrices)], after, side_stream)
+
+    def copy_many(self, experts: list[tuple[list[int], tuple]], after=None, side_stream: bool = True):
+        """`copy` of several experts (page ids, matrices), in order, as one timed batch: one stream switch, one wait
+        and one pair of timing events in all (per expert they cost the host about as much as its three copies).
+        Returns the event after the last copy; None on CPU or with nothing to copy."""
+        if not experts:
+            return None
+        num_bytes = sum(m.numel() * m.element_size() for _, matrices in experts for m in matrices)
         self.bytes_copied += num_bytes
         if not self.is_cuda:
             start = time.perf_counter()
-            self._copy(page_ids, matrices)
+            for page_ids, matrices in experts:
+                self._copy(page_ids, matrices)
             self._done_bytes += num_bytes
             self._done_seconds += time.perf_counter() - start
             return None
@@ -42,7 +52,8 @@ class ExpertCopier:
                 stream.wait_event(after)
             begin = torch.cuda.Event(enable_timing=True)
             begin.record(stream)
-            self._copy(page_ids, matrices)
+            for page_ids, matrices in experts:
+                self._copy(page_ids, matrices)
             done = torch.cuda.Event(enable_timing=True)
             done.record(stream)
         self._timed.append((num_bytes, begin, done))
@@ -64,7 +75,7 @@ class ExpertCopier:
 
     def _copy(self, page_ids: list[int], matrices) -> None:
         for page_id, matrix in zip(page_ids, matrices):
-            self.expert_view[page_id].copy_(matrix.reshape(-1), non_blocking=True)
+            self._pages[page_id].copy_(matrix.reshape(-1), non_blocking=True)
 
     def wait(self, event) -> None:
         """Make the compute stream wait for a copy (no-op on CPU)."""

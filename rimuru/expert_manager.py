@@ -10,7 +10,9 @@ Inside a pass, `on_routing` runs before each MoE layer's kernel:
   1. the layer's working page table = the resident table, plus finished additions (event wait first);
   2. routed experts on the host: prefetched ones are hits, the rest are copied now into a loading buffer (misses);
   3. prediction for the next MoE layer (its router on this layer's input, the Fate idea): its offloaded experts,
-     ranked by predicted tokens, are prefetched into the other buffer on the side stream.
+     ranked by predicted tokens, are prefetched into the other buffer on the side stream. The hook returns that
+     prefetch for its caller to run: under CUDA graphs after the next piece is queued, so the GPU computes while
+     the host issues the copies.
 The two buffers, each `buffer_experts` experts x 3 pages inside the pool, alternate by MoE layer ordinal.
 
 With an `ExpertPopularity`, every layer's routing is also counted on the device (`count_routing`, the whole hook
@@ -38,8 +40,9 @@ class ExpertStats:
     prefetch_hits: int = 0  # routed host experts found prefetched
     prefetch_misses: int = 0  # routed host experts copied on demand
     bytes_copied: int = 0
-    hook_seconds: float = 0.0  # host time inside on_routing: waiting for routing results and copies, predicting
+    hook_seconds: float = 0.0  # host time inside on_routing and its prefetch: waiting for routing results, copies
     routing_wait_seconds: float = 0.0  # of it, waiting for the GPU to finish the layer up to its router
+    prefetch_seconds: float = 0.0  # of it, issuing the next layer's prefetch copies (after the next piece is queued)
 
     def as_dict(self) -> dict:
         return dict(self.__dict__)
@@ -166,8 +169,11 @@ class ExpertManager:
 
     # ---- inside a pass -----------------------------------------------------------------------------------------
 
-    def on_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        """Make every expert routed at `layer` readable through `working_tables[layer]` before its kernel runs."""
+    def on_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> Callable[[], None] | None:
+        """Make every expert routed at `layer` readable through `working_tables[layer]` before its kernel runs.
+        Returns the next layer's prefetch, which only has to be issued before the next routing: the caller runs it
+        at once (eager passes) or after queueing the next piece (CUDA graphs, so the GPU does not idle while the
+        host issues the copies)."""
         start = time.perf_counter()
         self.count_routing(layer, hidden, topk_ids)
         for key in [k for k in self.pending_add if k[0] == layer]:
@@ -177,12 +183,14 @@ class ExpertManager:
         next_layer = self.next_layer.get(layer) if self.predict else None
         if next_layer is not None and not self.store.offloaded[next_layer]:
             next_layer = None  # nothing of the next layer to prefetch
+        prefetch = None
         if self.store.offloaded[layer] or next_layer is not None:  # with nothing on the host, no host sync
             routed, votes = self._routing_on_host(hidden, topk_ids, next_layer)
             self._load_routed(layer, routed & self.store.offloaded[layer], row)
             if next_layer is not None:
-                self._prefetch(next_layer, votes)
+                prefetch = self._prefetch_later(next_layer, votes)
         self.stats.hook_seconds += time.perf_counter() - start
+        return prefetch
 
     def _routing_on_host(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          next_layer: int | None) -> tuple[set[int], list[int]]:  # fmt: skip
@@ -207,28 +215,41 @@ class ExpertManager:
         hits = on_host & buffer.experts.keys()
         buffer.experts = {e: buffer.experts[e] for e in hits}  # NOTE: other slots get overwritten below
         free_slots = [s for s in range(len(buffer.slots)) if s not in buffer.experts.values()]
+        misses = []
         for expert in sorted(on_host - hits):
             slot = free_slots.pop(0)
-            self.copier.copy(buffer.slots[slot], self.store.host[layer].matrices(expert), side_stream=False)
+            misses.append((buffer.slots[slot], self.store.host[layer].matrices(expert)))
             buffer.experts[expert] = slot
+        self.copier.copy_many(misses, side_stream=False)
         self.stats.prefetch_hits += len(hits)
-        self.stats.prefetch_misses += len(on_host) - len(hits)
+        self.stats.prefetch_misses += len(misses)
         experts = sorted(on_host)
         pages = torch.tensor([buffer.slots[buffer.experts[e]] for e in experts], dtype=torch.int32)  # [n, 3]
         row[torch.tensor(experts, device=row.device)] = pages.to(row.device)
 
-    def _prefetch(self, layer: int, votes: list[int]) -> None:
+    def _prefetch_later(self, layer: int, votes: list[int]) -> Callable[[], None]:
+        """The prefetch of `layer` (`_prefetch`), to run later; its copies wait for what is queued now, which
+        includes the last kernel that reads the buffer they overwrite."""
+        last_reader = self.copier.compute_mark()  # the previous layer's kernel, queued before this hook
+
+        def prefetch() -> None:
+            start = time.perf_counter()
+            self._prefetch(layer, votes, last_reader)
+            seconds = time.perf_counter() - start
+            self.stats.hook_seconds += seconds
+            self.stats.prefetch_seconds += seconds
+
+        return prefetch
+
+    def _prefetch(self, layer: int, votes: list[int], last_reader) -> None:
         """Copy `layer`'s host experts with the most predicted tokens (`votes` [E]) into its buffer on the side
-        stream."""
+        stream, after the event `last_reader`."""
         buffer = self.buffers[self.ordinal[layer] % 2]
         on_host = self.store.offloaded[layer]
         predicted = sorted((e for e in on_host if votes[e]), key=lambda e: (-votes[e], e))[: len(buffer.slots)]
-        last_reader = self.copier.compute_mark()  # the previous layer's kernel, queued before this hook
-        buffer.layer, buffer.experts, buffer.ready = layer, {}, None
-        for slot, expert in enumerate(predicted):
-            buffer.experts[expert] = slot
-            buffer.ready = self.copier.copy(buffer.slots[slot], self.store.host[layer].matrices(expert), after=last_reader)
-            last_reader = None
+        buffer.layer, buffer.experts = layer, {expert: slot for slot, expert in enumerate(predicted)}
+        copies = [(buffer.slots[slot], self.store.host[layer].matrices(expert)) for slot, expert in enumerate(predicted)]
+        buffer.ready = self.copier.copy_many(copies, after=last_reader)
         self.stats.prefetched += len(predicted)
 
 

@@ -15,7 +15,8 @@
 #   decodesweep  the decode attention variants against the general kernel (sweep_decode_attention.py, ~1.5 min)
 #   opsgpu    the @pytest.mark.gpu tests of tests/ops only (~2 min)
 #   tunesmall retune the qwen1.5-moe M = 1, 2, 4 tiles into $OUT/NVIDIA_H200.json (a copy; ~3-4 min)
-#   profile   where a decode step of 200 requests spends its time (tools/profile_step.py)
+#   profile   where a decode step of 200 requests spends its time (tools/profile_step.py); PROFILE_FLAGS="--num-requests
+#             64 --gpu-memory-budget 30GiB --expert-policy fixed --offload-per-layer 8" profiles the routing hook
 #   throughput  rimuru bench, all experts resident on the whole GPU, the stream all at once (engine.md)
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
 #   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE,
@@ -75,8 +76,9 @@ kernels() {
 }
 
 profile() {
-  python tools/profile_step.py "$MODEL" "${DUMMY[@]}" --stream "$STREAM" --num-requests 200 --steps 20 \
-    --expert-policy resident --trace "$OUT/step_trace.json" > "$OUT/profile_step.txt" 2>&1
+  # shellcheck disable=SC2086
+  python tools/profile_step.py "$MODEL" "${DUMMY[@]}" --stream "$STREAM" --steps 20 \
+    ${PROFILE_FLAGS:---num-requests 200 --expert-policy resident} --trace "$OUT/step_trace.json" > "$OUT/profile_step.txt" 2>&1
   gzip -f "$OUT/step_trace.json"  # several MB of JSON: the fetch limit is 16 MiB a file
   head -40 "$OUT/profile_step.txt"
 }

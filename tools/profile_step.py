@@ -5,6 +5,8 @@ the most self CPU time and the most CUDA time, and the host time of each part of
 forward, sample). Writes a Chrome trace when `--trace` is given.
 
     python tools/profile_step.py MODEL_DIR --stream stream.jsonl --load-format dummy --num-requests 200
+    python tools/profile_step.py MODEL_DIR --stream stream.jsonl --load-format dummy --num-requests 64 \
+        --gpu-memory-budget 30GiB --expert-policy fixed --offload-per-layer 8     # the hook's share of a step
 """
 
 import argparse
@@ -47,12 +49,21 @@ def host_phases(engine: Engine, steps: int) -> dict[str, float]:
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in phases]
     for (obj, name, label), (_, _, fn) in zip(phases, originals):
         setattr(obj, name, _timed(fn, label, totals))
+    before = manager.stats.as_dict()
     try:
         step = timed_steps(engine, steps)
     finally:
         for obj, name, fn in originals:
             setattr(obj, name, fn)
-    return {label: ms / steps for label, ms in totals.items()} | {"whole step": step * 1e3}
+    hook = {label: (getattr(manager.stats, key) - before[key]) * 1e3 for key, label in HOOK_TIMES.items()}
+    return {label: ms / steps for label, ms in (totals | hook).items()} | {"whole step": step * 1e3}
+
+
+HOOK_TIMES = {  # the routing hook's host time (inside forward), from the expert manager's counters
+    "hook_seconds": "routing hook (inside forward)",
+    "routing_wait_seconds": "  of it, waiting for the router",
+    "prefetch_seconds": "  of it, issuing prefetches (graphs: after the next piece is queued)",
+}
 
 
 def _timed(fn, label: str, totals: dict[str, float]):

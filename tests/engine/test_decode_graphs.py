@@ -28,7 +28,7 @@ def record_hook_rows(engine) -> list[tuple[int, int]]:
     def on_routing(layer, hidden, topk_ids):
         if current[0] is not None:  # eager (prefill) passes call the hook too
             seen.append((hidden.shape[0], topk_ids.shape[0], current[0]))
-        hook(layer, hidden, topk_ids)
+        return hook(layer, hidden, topk_ids)
 
     def run(inputs, on_routing_):
         assert torch.equal(engine.kv_cache.device_tables, engine.kv_cache.tables)  # the copy the graphs gather from
@@ -59,6 +59,41 @@ def test_padded_graph_path_changes_speed_never_tokens(family, policy):
     assert any(batch not in sizes for *_, batch in rows)  # some steps were padded (9 prompts -> a batch of 16)
     assert engine.expert_stats["prefetch_misses"] > 0 and engine.experts.num_offloaded > 0
     assert engine.allocator.pages_of("decode-graphs", "kv") == [engine.runner.graphs.scratch_page]
+
+
+def test_replays_issue_the_hooks_prefetch_after_queueing_the_next_piece(family):
+    """Under captured graphs a hook's returned prefetch runs right after the next replay, before the next hook, so
+    the GPU computes while the host issues the copies; nothing is dropped at the end of a pass."""
+    from rimuru.decode_graphs import _Captured
+    from rimuru.model_runner import StepInputs
+    from rimuru.models.pieces import RoutingPoint
+
+    folder, prompts, _ = family
+    engine, _ = run(folder, prompts[:1], cuda_graphs=True)
+    graphs, events = engine.runner.graphs, []
+
+    class Graph:
+        def __init__(self, index):
+            self.index = index
+
+        def replay(self):
+            events.append(("replay", self.index))
+
+    size, num_pieces = graphs.batch_sizes[0], 3
+    points = [RoutingPoint(i, torch.zeros(size, 4), torch.zeros(size, 2, dtype=torch.int64)) for i in range(2)]
+    graphs.capture, graphs.logits = True, torch.zeros(size, 5)
+    graphs.captured[size] = _Captured([Graph(i) for i in range(num_pieces)], points)
+
+    def hook(layer, hidden, topk_ids):
+        events.append(("hook", layer))
+        return lambda: events.append(("prefetch", layer))
+
+    one = torch.zeros(1, dtype=torch.int64)
+    inputs = StepInputs(one, one, one, torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32),
+                        one, [0])  # fmt: skip
+    graphs.run(inputs, hook)
+    assert events == [("replay", 0), ("hook", 0), ("replay", 1), ("prefetch", 0), ("hook", 1), ("replay", 2),
+                      ("prefetch", 1)]  # fmt: skip
 
 
 def test_cpu_runs_eagerly_unless_asked(family):

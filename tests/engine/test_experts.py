@@ -110,19 +110,19 @@ class DeferredCopier(ExpertCopier):
         self.in_flight: dict[int, tuple] = {}
         self.pending_pages: set[int] = set()
 
-    def copy(self, page_ids, matrices, after=None, side_stream=True):
-        if not side_stream:
-            return super().copy(page_ids, matrices, after, side_stream)
+    def copy_many(self, experts, after=None, side_stream=True):
+        if not side_stream or not experts:
+            return super().copy_many(experts, after, side_stream)
         self.issued = ticket = getattr(self, "issued", 0) + 1
-        self.in_flight[ticket] = (page_ids, matrices)
-        self.pending_pages.update(page_ids)
+        self.in_flight[ticket] = experts
+        self.pending_pages.update(page for page_ids, _ in experts for page in page_ids)
         return ticket
 
     def wait(self, ticket):
         for earlier in sorted(t for t in self.in_flight if ticket is not None and t <= ticket):
-            page_ids, matrices = self.in_flight.pop(earlier)
-            self._copy(page_ids, matrices)
-            self.pending_pages.difference_update(page_ids)
+            for page_ids, matrices in self.in_flight.pop(earlier):
+                self._copy(page_ids, matrices)
+                self.pending_pages.difference_update(page_ids)
 
 
 @pytest.mark.parametrize("adjuster", ["paper", "cost"])
@@ -145,7 +145,7 @@ def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adju
         publish(layer, expert, page_ids)
 
     def checked_routing(layer, hidden, topk_ids):
-        on_routing(layer, hidden, topk_ids)
+        prefetch = on_routing(layer, hidden, topk_ids)
         for expert in topk_ids.unique().tolist():
             pages = manager.working_tables[layer, expert].tolist()
             for page, matrix in zip(pages, store.host[layer].matrices(expert)):
@@ -153,6 +153,7 @@ def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adju
                 assert page not in copier.pending_pages, f"layer {layer} reads page {page} before its copy"
                 assert torch.equal(store.expert_view[page], matrix.reshape(-1)), f"page {page} holds another expert"
         checked.append(layer)
+        return prefetch
 
     store.publish, manager.on_routing = checked_publish, checked_routing
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
