@@ -32,27 +32,35 @@ class _Clock:
         self.tokens: dict[str, list[float]] = {}
 
 
-def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True) -> dict:
-    """Replay `requests`; returns the record (see the module docstring). Mutates the engine's queues only."""
+def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True, time_limit_s: float | None = None) -> dict:
+    """Replay `requests`; returns the record (see the module docstring). Mutates the engine's queues only. With
+    `time_limit_s` the replay stops there, aborts what is unfinished and says so (`truncated_at_s`): a record of the
+    part that ran rather than none, for runs that might outlast their slot."""
     clock, series = _Clock(), []
     pending, start = list(requests), time.perf_counter()
     before = _counters(engine)
+    limit, finished = float("inf") if time_limit_s is None else time_limit_s, 0
     with tqdm(total=len(requests), desc="Benchmark", unit="req", disable=not progress) as bar:
-        while pending or engine.has_unfinished():
-            now = time.perf_counter() - start
+        while (pending or engine.has_unfinished()) and (now := time.perf_counter() - start) < limit:
             while pending and pending[0]["arrival"] <= now:
                 _submit(engine, pending.pop(0), clock, now)
             if not engine.has_unfinished():
-                time.sleep(max(0.0, pending[0]["arrival"] - now))
+                time.sleep(max(0.0, min(pending[0]["arrival"], limit) - now))
                 continue
             updated = engine.step()
             now = time.perf_counter() - start
             for request in updated:
                 clock.tokens.setdefault(request.request_id, []).append(now)
+            finished += sum(r.is_finished for r in updated)
             bar.update(sum(r.is_finished for r in updated))
             series.append(_sample(engine, now, sum(1 for _ in updated), before))
     wall = time.perf_counter() - start
-    return _record(engine, requests, clock, series, wall, before)
+    truncated = bool(pending or engine.has_unfinished())
+    if truncated:
+        for request_id in clock.arrival:
+            engine.abort(request_id)
+    record = _record(engine, requests, clock, series, wall, before)
+    return record | {"finished_requests": finished, "truncated_at_s": round(wall, 3) if truncated else None}
 
 
 def _submit(engine: Engine, request: dict, clock: _Clock, now: float) -> None:
@@ -85,7 +93,7 @@ def _counters(engine: Engine) -> dict:
 
 
 def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict) -> dict:
-    ttft = [clock.tokens[r][0] - clock.arrival[r] for r in clock.arrival]
+    ttft = [clock.tokens[r][0] - clock.arrival[r] for r in clock.arrival if r in clock.tokens]
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in clock.tokens.values() if len(t) > 1]
     itl = [b - a for t in clock.tokens.values() for a, b in zip(t, t[1:])]
     output_tokens = sum(len(t) for t in clock.tokens.values())

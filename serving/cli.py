@@ -83,7 +83,7 @@ def _bench(args: argparse.Namespace) -> None:
     engine = Engine(EngineConfig(model=args.model, **engine_options(args)))
     warmup = [dict(r, id=f"warmup-{i}", arrival=0.0, max_tokens=2) for i, r in enumerate(requests[: args.warmup])]
     run_benchmark(engine, warmup, progress=False)  # kernel compilation and autotuning stay out of the numbers
-    record = run_benchmark(engine, requests, progress=not args.quiet)
+    record = run_benchmark(engine, requests, progress=not args.quiet, time_limit_s=args.time_limit_s)
     record |= {"model": args.model, "stream": args.stream, "rate": args.rate, "engine": engine_options(args),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, "pool_bytes": engine.pool.num_bytes,
@@ -178,6 +178,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--out", default="bench.json", help="where to write the record")
     bench.add_argument("--warmup", type=int, default=8, help="short requests run before timing")
     bench.add_argument("--quiet", action="store_true", help="no progress bar")
+    bench.add_argument("--time-limit-s", type=float, default=None,
+                       help="stop the replay after this many seconds and record the part that ran (truncated_at_s)")
     add_engine_arguments(bench)
     bench.set_defaults(run=_bench)
 

@@ -101,14 +101,15 @@ serve() {
   kill -TERM $server; wait $server
 }
 
-# sweep NAME STREAM RANKING SKEW_FLAGS RUN...: one bench_sweep process (the checkpoint loaded once), then the
-# throughput lines, and every record and log in $OUT/NAME.tar.gz (8 files at most come back)
+# sweep NAME STREAM RANKING SKEW_FLAGS RUN...: one bench_sweep process (the checkpoint loaded once; BENCH_FLAGS go to
+# every run, e.g. "--time-limit-s 120"), then the throughput lines, and every record and log in $OUT/NAME.tar.gz
+# (8 files at most come back)
 sweep() {
   local name=$1 stream=$2 ranking=$3 skew=$4; shift 4
   local dir="$OUT/$name" runs=()
   for run in "$@"; do runs+=(--run "$run"); done
   python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$ranking" \
-    --common "--stream $stream --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]}" \
+    --common "--stream $stream --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]} ${BENCH_FLAGS:-}" \
     --profile "${DUMMY[*]} $skew --workload $stream --num-prompts 64 --max-tokens 8 --expert-policy resident" "${runs[@]}"
   cp "$ranking" "$dir/" 2>/dev/null
   for log in "$dir"/*.log; do echo "$(basename "$log") $(grep -m1 -h output_tokens_per_s "$log")"; done
@@ -161,7 +162,9 @@ direct() {  # the MoE op reading host experts in place, then fixed-8 and elastic
 
 qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40 GiB card
   # NOTE: the pool holds about 65% of the experts, so at least 48 of each layer's 128 must live on the host
-  local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB
+  # NOTE: PCIe-bound (a step copies or reads several GB of host experts): each run stops at 150 s and records the
+  # part that ran (truncated_at_s); use a short stream such as .bench/stream-100-r10.jsonl
+  local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB BENCH_FLAGS="--time-limit-s ${TIME_LIMIT_S:-150} ${BENCH_FLAGS:-}"
   policies "qwen3-40g-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" fixed56 elastic64 elastic64-direct
 }
 

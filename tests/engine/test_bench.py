@@ -49,6 +49,24 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
     assert len(paths) == 6 and all(Path(p).stat().st_size > 10_000 for p in paths)
 
 
+def test_a_time_limit_records_the_part_that_ran_and_frees_the_rest(family, tmp_path):
+    from rimuru import LLM
+    from rimuru.benchmark import run_benchmark
+
+    folder = family[0]
+    requests = write_stream(tmp_path / "stream.jsonl", 12, 512)
+    engine = LLM(folder, progress=False).engine
+    free = engine.allocator.stats()["free_expert_pages"]
+    whole = run_benchmark(engine, requests, progress=False)
+    assert whole["truncated_at_s"] is None and whole["finished_requests"] == len(requests)
+    late = [dict(r, arrival=r["arrival"] + (60.0 if i >= 6 else 0.0)) for i, r in enumerate(requests)]
+    limit = whole["wall_s"] + 0.5  # the first six finish, the rest would arrive a minute later
+    cut = run_benchmark(engine, late, progress=False, time_limit_s=limit)
+    assert limit <= cut["wall_s"] < limit + 0.5 and cut["truncated_at_s"] == cut["wall_s"]
+    assert cut["finished_requests"] == 6 and cut["output_tokens"] == sum(r["max_tokens"] for r in requests[:6])
+    assert not engine.has_unfinished() and engine.allocator.stats()["free_expert_pages"] == free
+
+
 def test_shift_stream_moves_the_second_half_of_the_arrivals_to_the_other_part(tmp_path):
     requests = write_stream(tmp_path / "stream.jsonl", 9, 5000)[::-1]  # arrival order is restored
     shifted = shift_stream.shift(requests, vocab_size=1000)
