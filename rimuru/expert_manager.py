@@ -224,8 +224,8 @@ class ExpertManager:
         self.stats.prefetch_hits += len(hits)
         self.stats.prefetch_misses += len(misses)
         experts = sorted(on_host)
-        pages = torch.tensor([buffer.slots[buffer.experts[e]] for e in experts], dtype=torch.int32)  # [n, 3]
-        row[torch.tensor(experts, device=row.device)] = pages.to(row.device)
+        pages = [buffer.slots[buffer.experts[e]] for e in experts]  # [n, 3]
+        row[_on_device(experts, torch.int64, row.device)] = _on_device(pages, torch.int32, row.device)
 
     def _prefetch_later(self, layer: int, votes: list[int]) -> Callable[[], None]:
         """The prefetch of `layer` (`_prefetch`), to run later; its copies wait for what is queued now, which
@@ -251,6 +251,14 @@ class ExpertManager:
         copies = [(buffer.slots[slot], self.store.host[layer].matrices(expert)) for slot, expert in enumerate(predicted)]
         buffer.ready = self.copier.copy_many(copies, after=last_reader)
         self.stats.prefetched += len(predicted)
+
+
+def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """`values` as a tensor on `device`, copied from pinned memory without waiting: a pageable copy would make the
+    host wait for everything queued on the stream, the miss copies included."""
+    if device.type != "cuda":
+        return torch.tensor(values, dtype=dtype)
+    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
 
 
 def _expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:  # topk_ids [T, K] -> [E] int64
