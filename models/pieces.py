@@ -1,9 +1,10 @@
 """A forward pass in pieces: the model's `steps` generators pause after each MoE layer's router.
 
 The pause is where the expert manager works (copy routed experts in, prefetch the next layer's) before the expert
-kernel reads the page table; the hook may hand back work that can wait until the next piece is queued. `run_pieces` drives a pass eagerly, calling the context's `on_routing` hook at each
-pause; `rimuru.decode_graphs` captures each piece between two pauses as a CUDA graph and runs the hook between
-replays. Either way the model code is the same, so the two paths compute the same tokens.
+kernel reads the page table; the hook may hand back work that can wait until the next piece is queued.
+`run_pieces` drives a pass eagerly, calling the context's `on_routing` hook at each pause; `rimuru.decode_graphs`
+captures each piece between two pauses as a CUDA graph and runs the hook between replays. Either way the model code
+is the same, so the two paths compute the same tokens.
 
     steps():  [embed, attn 0, router 0] | pause 0 | [experts 0, attn 1, router 1] | pause 1 | ...
               ... | pause L-1 | [experts L-1, final norm, LM head] -> logits

@@ -1,6 +1,7 @@
 """The MoE op's last step: sum the K router-weighted rows of each token, in a fixed order (no atomics).
 
-Owns one Triton kernel and `topk_sum`, which picks it on CUDA (when KERNEL_ON_CUDA) and torch's `.sum(1)` elsewhere (CPU, and the
+Owns one Triton kernel and `topk_sum`, which picks it on CUDA (when KERNEL_ON_CUDA) and torch's `.sum(1)` elsewhere
+(CPU, and the
 reference's definition). Each program reads the K rows of one token over BLOCK_D columns, adds them in k order
 in fp32 and writes one row in the input's dtype, so a token's output never depends on run-to-run timing:
 

@@ -32,7 +32,8 @@ class _Clock:
         self.tokens: dict[str, list[float]] = {}
 
 
-def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True, time_limit_s: float | None = None) -> dict:
+def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True,
+                  time_limit_s: float | None = None) -> dict:  # fmt: skip
     """Replay `requests`; returns the record (see the module docstring). Mutates the engine's queues only. With
     `time_limit_s` the replay stops there, aborts what is unfinished and says so (`truncated_at_s`): a record of the
     part that ran rather than none, for runs that might outlast their slot."""

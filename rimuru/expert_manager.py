@@ -248,7 +248,8 @@ class ExpertManager:
         on_host = self.store.offloaded[layer]
         predicted = sorted((e for e in on_host if votes[e]), key=lambda e: (-votes[e], e))[: len(buffer.slots)]
         buffer.layer, buffer.experts = layer, {expert: slot for slot, expert in enumerate(predicted)}
-        copies = [(buffer.slots[slot], self.store.host[layer].matrices(expert)) for slot, expert in enumerate(predicted)]
+        host = self.store.host[layer]
+        copies = [(buffer.slots[slot], host.matrices(expert)) for slot, expert in enumerate(predicted)]
         buffer.ready = self.copier.copy_many(copies, after=last_reader)
         self.stats.prefetched += len(predicted)
 

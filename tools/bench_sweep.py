@@ -5,6 +5,8 @@ longer to load than some runs take to finish).
         --run resident="--expert-policy resident" --run fixed8="--expert-policy fixed --offload-per-layer 8"
 
 Each run is `rimuru bench MODEL <common> <its flags> --out OUT/<name>.json`, with its output in OUT/<name>.log.
+`--repeat N` runs the whole list N times in turn (A B A B, so a drift of the machine hits every policy alike),
+repeats named <name>-2, <name>-3, ..., and ends with each policy's output tokens/s and their spread.
 `--profile "<flags>"` first writes the ranking (`--ranking`, default MODEL/expert_ranking.json) with
 `rimuru profile MODEL <flags>` when there is none, and every run then reads that ranking.
 """
@@ -13,6 +15,7 @@ import argparse
 import contextlib
 import functools
 import gc
+import json
 import os
 import shlex
 import time
@@ -43,6 +46,7 @@ def main() -> None:
     parser.add_argument("--run", action="append", default=[], metavar="NAME=FLAGS", help="one run; repeatable")
     parser.add_argument("--profile", default=None, help="flags of `rimuru profile` when the ranking is missing")
     parser.add_argument("--ranking", default=None, help="expert_ranking.json to write and read (default: MODEL's)")
+    parser.add_argument("--repeat", type=int, default=1, help="run the whole list this many times in turn")
     args = parser.parse_args()
     os.makedirs(args.out_dir, exist_ok=True)
     rimuru.engine.from_pretrained = functools.lru_cache(maxsize=1)(rimuru.engine.from_pretrained)
@@ -50,10 +54,23 @@ def main() -> None:
     if args.profile is not None and not os.path.exists(ranking):
         run("profile", ["profile", args.model, *shlex.split(args.profile), "--output", ranking], args.out_dir)
     common = [*shlex.split(args.common), *(["--expert-ranking", ranking] if os.path.exists(ranking) else [])]
-    for spec in args.run:
-        name, _, flags = spec.partition("=")
-        out = os.path.join(args.out_dir, f"{name}.json")
-        run(name, ["bench", args.model, *common, *shlex.split(flags), "--out", out], args.out_dir)
+    throughput: dict[str, list[float]] = {}
+    for repeat in range(1, args.repeat + 1):
+        for spec in args.run:
+            name, _, flags = spec.partition("=")
+            label = name if repeat == 1 else f"{name}-{repeat}"
+            out = os.path.join(args.out_dir, f"{label}.json")
+            if run(label, ["bench", args.model, *common, *shlex.split(flags), "--out", out], args.out_dir) == 0:
+                with open(out) as f:
+                    throughput.setdefault(name, []).append(json.load(f)["output_tokens_per_s"])
+    if args.repeat > 1:
+        for name, values in throughput.items():
+            print(f"{name}: {' '.join(f'{v:.1f}' for v in values)} tok/s, spread {spread(values):.1%}", flush=True)
+
+
+def spread(values: list[float]) -> float:
+    """(max - min) / mean of repeated runs: what a difference between two policies must beat."""
+    return (max(values) - min(values)) / (sum(values) / len(values)) if values else 0.0
 
 
 if __name__ == "__main__":

@@ -102,13 +102,13 @@ serve() {
 }
 
 # sweep NAME STREAM RANKING SKEW_FLAGS RUN...: one bench_sweep process (the checkpoint loaded once; BENCH_FLAGS go to
-# every run, e.g. "--time-limit-s 120"), then the throughput lines, and every record and log in $OUT/NAME.tar.gz
-# (8 files at most come back)
+# every run, e.g. "--time-limit-s 120"; REPEAT=2 runs the list twice in turn and prints each policy's spread), then
+# the throughput lines, and every record and log in $OUT/NAME.tar.gz (8 files at most come back)
 sweep() {
   local name=$1 stream=$2 ranking=$3 skew=$4; shift 4
   local dir="$OUT/$name" runs=()
   for run in "$@"; do runs+=(--run "$run"); done
-  python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$ranking" \
+  python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$ranking" --repeat "${REPEAT:-1}" \
     --common "--stream $stream --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]} ${BENCH_FLAGS:-}" \
     --profile "${DUMMY[*]} $skew --workload $stream --num-prompts 64 --max-tokens 8 --expert-policy resident" "${runs[@]}"
   cp "$ranking" "$dir/" 2>/dev/null

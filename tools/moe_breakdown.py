@@ -176,4 +176,5 @@ def print_row(r, header=False):
     print(f"{r['model']} {r['M']} {r['pairs']} | {r['align_us']:.1f} {r['casts_us']:.1f} |"
           f" {r['gate_up_us']:.1f} {r['down_us']:.1f} {r['gemms_us']:.1f} |"
           f" {r['sum_torch_us']:.1f}{share['sum_torch']} {r['sum_triton_us']:.1f}{share['sum_triton']} |"
-          f" {r['op_us']:.1f} {r['op_torch_sum_us']:.1f} {r['op_triton_sum_us']:.1f} | {r['unexplained_us']:+.1f} | {tiles} | {paths}", flush=True)
+          f" {r['op_us']:.1f} {r['op_torch_sum_us']:.1f} {r['op_triton_sum_us']:.1f} | {r['unexplained_us']:+.1f} |"
+          f" {tiles} | {paths}", flush=True)

@@ -10,6 +10,7 @@ from rimuru.serving.cli import main
 from tests.engine.test_experts import budget_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import bench_sweep  # noqa: E402
 import plot_bench  # noqa: E402
 import shift_stream  # noqa: E402
 
@@ -65,6 +66,27 @@ def test_a_time_limit_records_the_part_that_ran_and_frees_the_rest(family, tmp_p
     assert limit <= cut["wall_s"] < limit + 0.5 and cut["truncated_at_s"] == cut["wall_s"]
     assert cut["finished_requests"] == 6 and cut["output_tokens"] == sum(r["max_tokens"] for r in requests[:6])
     assert not engine.has_unfinished() and engine.allocator.stats()["free_expert_pages"] == free
+
+
+def test_sweep_repeats_the_list_in_turn_and_reports_the_spread(family, tmp_path, monkeypatch, capsys):
+    import rimuru.engine
+
+    monkeypatch.setattr(rimuru.engine, "from_pretrained", rimuru.engine.from_pretrained)  # the sweep caches it
+    write_stream(tmp_path / "stream.jsonl", 6, 512)
+    out = tmp_path / "sweep"
+    common = f"--stream {tmp_path / 'stream.jsonl'} --rate 0 --quiet --warmup 0"
+    runs = ["--run", "resident=--expert-policy resident", "--run", "fixed=--expert-policy fixed"]
+    monkeypatch.setattr(sys, "argv", ["bench_sweep.py", family[0], "--out-dir", str(out), "--repeat", "2",
+                                      "--common", common, *runs])  # fmt: skip
+    bench_sweep.main()
+    printed = capsys.readouterr().out
+    records = sorted(p.name for p in out.glob("*.json"))
+    assert records == ["fixed-2.json", "fixed.json", "resident-2.json", "resident.json"]
+    order = [line.split(":")[0] for line in printed.splitlines() if "exit 0" in line]
+    assert order == ["resident", "fixed", "resident-2", "fixed-2"]
+    values = [json.loads((out / f"resident{s}.json").read_text())["output_tokens_per_s"] for s in ("", "-2")]
+    assert f"resident: {values[0]:.1f} {values[1]:.1f} tok/s, spread {bench_sweep.spread(values):.1%}" in printed
+    assert bench_sweep.spread([90.0, 110.0]) == 0.2
 
 
 def test_shift_stream_moves_the_second_half_of_the_arrivals_to_the_other_part(tmp_path):
