@@ -11,6 +11,7 @@ from tests.engine.test_experts import budget_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_sweep  # noqa: E402
+import bench_table  # noqa: E402
 import plot_bench  # noqa: E402
 import shift_stream  # noqa: E402
 
@@ -48,6 +49,10 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
     assert round(hits / (hits + misses), 4) == elastic["prefetch_hit_rate"]
     paths = plot_bench.main([str(tmp_path / "plots")] + [f"{p}={tmp_path / f'{p}-{r}.json'}" for p, r in records])
     assert len(paths) == 6 and all(Path(p).stat().st_size > 10_000 for p in paths)
+    text = bench_table.main([f"{p}-{r}={tmp_path / f'{p}-{r}.json'}" for p, r in records])
+    lines = text.splitlines()
+    assert len(lines) == 2 + len(records) and all(line.count("|") == lines[0].count("|") for line in lines)
+    assert f"| elastic-0 | {elastic['output_tokens_per_s']:,.1f} | 1.00 |" in text
 
 
 def test_a_time_limit_records_the_part_that_ran_and_frees_the_rest(family, tmp_path):

@@ -1,0 +1,70 @@
+"""A markdown table from `rimuru bench` records, one row a record, as `docs/benchmarks/paper-scenario.md` prints them.
+
+    python tools/bench_table.py resident=resident.json elastic=elastic.json ...   (the first record is the baseline)
+
+Columns: output tok/s and the ratio to the first record, TTFT mean / median / p99, TPOT median, peak / mean
+running, forward steps, preemptions, evictions / additions (and swaps), bytes copied (and a step), prefetch hit
+rate, wall time / routing-hook time / of it the wait for the router, per step, and the peak reserved GPU memory.
+"""
+
+import argparse
+import json
+
+HEADER = ("| policy | output tok/s | vs first | TTFT mean / median / p99 | TPOT median | peak / mean running "
+          "| steps | preemptions | evictions / additions | copied | prefetch hit rate | step / hook / router wait "
+          "| peak reserved |")
+
+
+def row(label: str, record: dict, baseline: float) -> str:
+    steps, copied, ttft = record["forward_steps"], record["bytes_copied"], record["ttft_s"]
+    moved = record["evictions"] or record["additions"]
+    changes = f"{record['evictions']} / {record['additions']}" if moved else "-"
+    if record.get("swaps"):
+        changes += f" (+{record['swaps']} swaps)"
+    hit = record["prefetch_hit_rate"]
+    cells = [
+        label,
+        f"{record['output_tokens_per_s']:,.1f}",
+        f"{record['output_tokens_per_s'] / baseline:.2f}",
+        " / ".join(_g(ttft[k]) for k in ("mean", "median", "p99")) + " s",
+        f"{record['tpot_s']['median'] * 1e3:.1f} ms" if record["tpot_s"]["median"] is not None else "-",
+        f"{record['peak_concurrency']} / {record['mean_concurrency']:.1f}",
+        f"{steps:,}",
+        str(record["preemptions"]),
+        changes,
+        f"{copied / 1e9:.1f} GB ({copied / steps / 1e6:.1f} MB a step)" if copied else "0",
+        "-" if hit is None else f"{100 * hit:.1f}%",
+        " / ".join(f"{1e3 * record[k] / steps:.1f}" for k in ("wall_s", "hook_seconds", "routing_wait_seconds"))
+        + " ms",
+        f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB" if record.get("peak_reserved_bytes") else "-",
+    ]
+    if record.get("truncated_at_s") is not None:
+        cells[0] += f" (stopped at {record['truncated_at_s']:.0f} s, {record['finished_requests']} finished)"
+    return "| " + " | ".join(cells) + " |"
+
+
+def _g(value) -> str:
+    return "-" if value is None else f"{value:.3g}"
+
+
+def table(specs: list[str]) -> str:
+    records = []
+    for spec in specs:
+        label, _, path = spec.rpartition("=")
+        with open(path) as f:
+            records.append((label or path, json.load(f)))
+    baseline = records[0][1]["output_tokens_per_s"]
+    lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
+    return "\n".join(lines + [row(label, record, baseline) for label, record in records])
+
+
+def main(argv: list[str] | None = None) -> str:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("records", nargs="+", metavar="LABEL=RECORD.json")
+    text = table(parser.parse_args(argv).records)
+    print(text)
+    return text
+
+
+if __name__ == "__main__":
+    main()
