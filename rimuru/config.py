@@ -51,6 +51,9 @@ class EngineConfig:
     # let the expert kernel read its pinned host copy over the host link ("direct": no wait, no loading buffers)
     expert_reads: str = "copy"
     cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: the same path)
+    # steps that mix prefill chunks and decodes (up to 2048 tokens) as graph replays too (with cuda_graphs; off until
+    # measured on a GPU: they take a larger graph memory pool)
+    mixed_cuda_graphs: bool = False
     seed: int = 0
     progress: bool = True
 

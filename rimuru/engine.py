@@ -16,7 +16,7 @@ import torch
 from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds
-from rimuru.decode_graphs import capture_decode_graphs, graph_batch_sizes, graphs_wanted
+from rimuru.decode_graphs import capture_decode_graphs, graph_batch_sizes, graphs_wanted, mixed_token_sizes
 from rimuru.expert_manager import ExpertManager
 from rimuru.expert_placement import check_budget, initial_offload
 from rimuru.expert_ranking import find_ranking
@@ -55,7 +55,7 @@ class Engine:
                                        config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
         graphs = capture_decode_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
                                        self.kv_cache.device_tables, config.max_num_seqs, config.cuda_graphs,
-                                       config.progress)  # fmt: skip
+                                       config.progress, self._mixed_graph_tokens)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
@@ -86,6 +86,11 @@ class Engine:
                        capacity, self.config.max_model_len)  # fmt: skip
         self.config = replace(self.config, max_model_len=capacity)
 
+    @property
+    def _mixed_graph_tokens(self) -> int:
+        """The token limit mixed steps' graphs are captured up to (0: decode graphs only)."""
+        return self.config.max_num_batched_tokens if self.config.mixed_cuda_graphs else 0
+
     def _build_pool(self, wants_graphs: bool) -> None:
         cfg, mc = self.config, self.loaded.config
         sizes = page_sizes_for_model(mc, cfg.dtype, cfg.page_tokens)
@@ -95,8 +100,10 @@ class Engine:
         expert_bytes = len(mc.moe_layer_ids) * mc.num_experts * 3 * sizes.expert_page_bytes
         captured = wants_graphs and self.device.type == "cuda"  # real graphs keep a memory pool of their own
         graph_seqs = graph_batch_sizes(cfg.max_num_seqs)[-1] if captured else 0
+        graph_tokens = max([graph_seqs, *mixed_token_sizes(self._mixed_graph_tokens)]) if graph_seqs else 0
         self.memory_plan = plan_memory(mc, self.device, cfg.dtype, cfg.gpu_memory_budget, weights, expert_bytes,
-                                       cfg.max_num_batched_tokens, cfg.max_num_seqs, graph_seqs)  # fmt: skip
+                                       cfg.max_num_batched_tokens, cfg.max_num_seqs, graph_seqs,
+                                       graph_tokens)  # fmt: skip
         self.pool = MemoryPool(sizes, self.memory_plan.pool_bytes, self.device)
         self.allocator = PageAllocator(sizes, self.pool.num_bytes)
 

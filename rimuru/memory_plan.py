@@ -32,14 +32,23 @@ def activation_bytes(config: ModelConfig, dtype: torch.dtype, max_tokens: int, m
     return max_tokens * per_token * elem + logits
 
 
+def graph_point_bytes(config: ModelConfig, dtype: torch.dtype, max_tokens: int) -> int:
+    """The graphs' routing points: every MoE layer's router input and expert ids for `max_tokens` tokens."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    return len(config.moe_layer_ids) * max_tokens * (config.hidden_size * elem + config.num_experts_per_tok * 8)
+
+
 def plan_memory(config: ModelConfig, device: torch.device, dtype: torch.dtype, budget: int | None,
                 weights_bytes: int, expert_bytes: int, max_tokens: int, max_seqs: int,
-                graph_seqs: int = 0) -> MemoryPlan:  # fmt: skip
+                graph_seqs: int = 0, graph_tokens: int = 0) -> MemoryPlan:  # fmt: skip
     """The pool size; ValueError naming the numbers when the budget cannot hold the weights and activations.
-    `graph_seqs`: the largest CUDA-graph decode batch, whose pass has a memory pool of its own."""
+    `graph_seqs`: the largest CUDA-graph decode batch and `graph_tokens` the most tokens a graph takes (more than
+    `graph_seqs` with mixed steps' graphs): their passes have a memory pool of their own."""
     reserve = activation_bytes(config, dtype, max_tokens, max_seqs)
     if graph_seqs:
-        reserve += activation_bytes(config, dtype, graph_seqs, graph_seqs)
+        graph_tokens = max(graph_tokens, graph_seqs)
+        reserve += activation_bytes(config, dtype, graph_tokens, graph_seqs)
+        reserve += graph_point_bytes(config, dtype, graph_tokens)
     if device.type == "cuda":
         reserve += CUDA_WORKSPACE_BYTES
     if budget is not None:

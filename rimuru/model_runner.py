@@ -2,8 +2,8 @@
 
 Builds the step's rows on the host; an eager pass then gathers the KV page tables and slot mappings from the KV
 cache's host tables (a few vectorised gathers, no per-layer Python loops) and moves everything to the device, while
-a decode-only batch that the `DecodeGraphs` hold copies only its rows into their static buffers: the graphs gather
-the page tables from the KV cache's device copy themselves.
+a step that the `DecodeGraphs` hold (decode-only, or mixed with `mixed_cuda_graphs`) copies only its rows into their
+static buffers: the graphs gather the page tables from the KV cache's device copy themselves.
 """
 
 from dataclasses import dataclass
@@ -47,7 +47,7 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Logits [B', V] (fp32) for the requests that finish their known tokens this round, and their batch rows."""
         inputs = self.prepare(batch)
-        if self.graphs is not None and inputs.is_decode and self.graphs.holds(len(inputs.seq_lens)):
+        if self.graphs is not None and self.graphs.holds(inputs):
             _, hook = self.experts.pass_routing(fixed_tables=True)  # the graphs read working_tables
             self.num_graph_steps += 1
             return self.graphs.run(inputs, hook).float(), inputs.sample_rows

@@ -117,9 +117,17 @@ sweep() {
 }
 
 # run_spec NAME: a policy's bench flags from its name: resident, fixedN, elasticN, costN, elastic and cost (the
-# default offload limit), any of them with -direct (the kernels read host experts in place)
+# default offload limit), each with any of the suffixes -direct (the kernels read host experts in place) and -mixed
+# (steps with prefill replay CUDA graphs too), e.g. elastic-direct-mixed
 run_spec() {
-  local name=$1 base=${1%-direct} flags
+  local name=$1 base=$1 extra="" flags
+  while true; do
+    case $base in
+      *-direct) base=${base%-direct}; extra="$extra --expert-reads direct" ;;
+      *-mixed) base=${base%-mixed}; extra="$extra --mixed-cuda-graphs" ;;
+      *) break ;;
+    esac
+  done
   case $base in
     resident) flags="--expert-policy resident" ;;
     fixed*) flags="--expert-policy fixed --offload-per-layer ${base#fixed}" ;;
@@ -129,8 +137,7 @@ run_spec() {
     cost*) flags="--expert-policy elastic --adjuster cost --expert-offload-limit ${base#cost}" ;;
     *) echo "unknown policy $name" >&2; return 1 ;;
   esac
-  [ "$name" != "$base" ] && flags="$flags --expert-reads direct"
-  echo "$name=$flags"
+  echo "$name=$flags$extra"
 }
 
 # policies NAME STREAM RANKING SKEW POLICY...: `sweep` over policies given by name

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rimuru import LLM
-from rimuru.decode_graphs import graph_batch_sizes
+from rimuru.decode_graphs import Shape, graph_batch_sizes, mixed_token_sizes
 from tests.engine.conftest import NUM_PROMPTS, free_gpu_memory
 from tests.engine.test_experts import GREEDY, budget_for, run
 
@@ -82,7 +82,7 @@ def test_replays_issue_the_hooks_prefetch_after_queueing_the_next_piece(family):
     size, num_pieces = graphs.batch_sizes[0], 3
     points = [RoutingPoint(i, torch.zeros(size, 4), torch.zeros(size, 2, dtype=torch.int64)) for i in range(2)]
     graphs.capture, graphs.logits = True, torch.zeros(size, 5)
-    graphs.captured[size] = _Captured([Graph(i) for i in range(num_pieces)], points)
+    graphs.captured[Shape.decode(size)] = _Captured([Graph(i) for i in range(num_pieces)], points)
 
     def hook(layer, hidden, topk_ids):
         events.append(("hook", layer))
@@ -94,6 +94,65 @@ def test_replays_issue_the_hooks_prefetch_after_queueing_the_next_piece(family):
     graphs.run(inputs, hook)
     assert events == [("replay", 0), ("hook", 0), ("replay", 1), ("prefetch", 0), ("hook", 1), ("replay", 2),
                       ("prefetch", 1)]  # fmt: skip
+
+
+def test_mixed_token_sizes_step_by_64_then_128_and_end_at_the_limit():
+    assert mixed_token_sizes(8192)[:9] == [64, 128, 192, 256, 320, 384, 448, 512, 640]
+    assert mixed_token_sizes(8192)[-1] == 2048 and len(mixed_token_sizes(8192)) == 20
+    assert mixed_token_sizes(300) == [64, 128, 192, 256, 300]
+    assert mixed_token_sizes(0) == []
+
+
+def test_mixed_graphs_reserve_their_larger_passes_from_the_budget(family):
+    """The graph pool grows with the most tokens a graph takes: the plan takes the difference from the pool."""
+    from rimuru.memory_plan import activation_bytes, graph_point_bytes, plan_memory
+    from rimuru.models import ModelConfig
+
+    config, cuda, dtype = ModelConfig.from_hf(family[0]), torch.device("cuda"), torch.bfloat16  # budget: no query
+    plan = lambda tokens: plan_memory(config, cuda, dtype, 2**34, 2**30, 2**32, 8192, 256, 256, tokens).pool_bytes
+    grown = activation_bytes(config, dtype, 2048, 256) - activation_bytes(config, dtype, 256, 256)
+    grown += graph_point_bytes(config, dtype, 2048) - graph_point_bytes(config, dtype, 256)
+    assert plan(256) == plan(0) and plan(256) - plan(2048) == grown > 0
+
+
+def record_shapes(engine) -> list[tuple[Shape, int, int]]:
+    """(shape, real tokens, rows the hook saw) for every graph step; the rows -1 when no hook ran."""
+    runner, seen = engine.runner, []
+    run_graph = runner.graphs.run
+
+    def run(inputs, on_routing):
+        rows = []
+
+        def hook(layer, hidden, topk_ids):
+            rows.append(hidden.shape[0])
+            return on_routing(layer, hidden, topk_ids)
+
+        out = run_graph(inputs, hook if on_routing is not None else None)
+        seen.append((runner.graphs.shape_for(inputs), len(inputs.input_ids), rows[0] if rows else -1))
+        assert out.shape[0] == len(inputs.sample_rows)
+        return out
+
+    runner.graphs.run = run
+    return seen
+
+
+@pytest.mark.parametrize("policy", ["elastic", "fixed"])
+def test_mixed_steps_replay_the_padded_path_and_change_speed_never_tokens(family, policy):
+    """With mixed_cuda_graphs, steps that mix prefill chunks and decodes run the padded graph path (here eagerly on
+    the CPU): same tokens as Hugging Face, under offloading and preemption, and the hook sees the real tokens only."""
+    folder, prompts, expected = family
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    options = dict(gpu_memory_budget=budget, expert_policy=policy, expert_offload_limit=3, offload_per_layer=3,
+                   cuda_graphs=True, mixed_cuda_graphs=True)  # fmt: skip
+    seen = []
+    engine, tokens = run(folder, prompts, prepare=lambda e: seen.append(record_shapes(e)), **options)
+    assert tokens == expected
+    mixed = [(shape, real, rows) for shape, real, rows in seen[0] if shape.mixed]
+    assert mixed and any(shape.tokens > real for shape, real, _ in mixed)  # some were padded
+    assert all(rows in (real, -1) for _, real, rows in mixed)  # padding never reaches the hook
+    assert any(not shape.mixed for shape, _, _ in seen[0])
+    assert engine.expert_stats["prefetch_misses"] > 0
+    assert engine.runner.num_graph_steps == len(seen[0]) == engine.num_steps  # every step fit a shape
 
 
 def test_cpu_runs_eagerly_unless_asked(family):
@@ -128,6 +187,27 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
             reached = copied if expert_reads == "copy" else stats["direct_reads"]
             assert reached > 0
     assert outputs[True, reads] == outputs[False, "copy"] == outputs[False, reads]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("policy", ["resident", "fixed"])
+def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy):
+    """Every step, prefills included, replays captured graphs and gives the eager engine's tokens (fp32; the padded
+    token counts may pick other MoE tiles than eager, which fp32 absorbs)."""
+    folder, prompts, _ = family
+    options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3)
+    if policy == "fixed":
+        options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3) + 2**30
+    outputs = {}
+    for mixed in (False, True):
+        llm = None
+        free_gpu_memory()
+        llm = LLM(folder, progress=False, cuda_graphs=mixed, mixed_cuda_graphs=mixed, **options)
+        outputs[mixed] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        engine = llm.engine
+        assert (engine.runner.num_graph_steps == engine.num_steps) == mixed
+    assert outputs[True] == outputs[False]
 
 
 def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(family, monkeypatch, caplog):
