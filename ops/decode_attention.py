@@ -56,34 +56,39 @@ def _attend_tile(b_q, b_max, b_sum, b_acc, b_page, n_start, n_hi, p_kv_head, str
 def _attend_request(b_q, seq_len, p_table_row, p_kv_head, scale_log2, stride_kv_page, stride_kv_token,
                     stride_kv_kind, ROWS: tl.constexpr, HEAD_DIM: tl.constexpr, PAGE_TOKENS: tl.constexpr,
                     BLOCK_N: tl.constexpr, EVEN_TILES: tl.constexpr, PREFETCH_PAGES: tl.constexpr):
-    """(max, sum, acc) of the online softmax over tokens [0, seq_len), log2 units."""
+    """(max, sum, acc) of the online softmax over tokens [0, seq_len), log2 units: the full tiles unmasked (with
+    EVEN_TILES), then the rest masked."""
     b_max = tl.full((ROWS,), float("-inf"), dtype=tl.float32)
     b_sum = tl.zeros((ROWS,), dtype=tl.float32)
     b_acc = tl.zeros((ROWS, HEAD_DIM), dtype=tl.float32)
     full_end = (seq_len // BLOCK_N) * BLOCK_N if EVEN_TILES else 0
-    if PREFETCH_PAGES:
-        b_page = tile_pages(p_table_row, 0, seq_len, PAGE_TOKENS, BLOCK_N)
-    for n_start in range(0, full_end, BLOCK_N):
-        if PREFETCH_PAGES:
-            b_next = tile_pages(p_table_row, n_start + BLOCK_N, seq_len, PAGE_TOKENS, BLOCK_N)
-        else:
-            b_page = tile_pages(p_table_row, n_start, seq_len, PAGE_TOKENS, BLOCK_N)
-        b_max, b_sum, b_acc = _attend_tile(b_q, b_max, b_sum, b_acc, b_page, n_start, seq_len, p_kv_head,
-                                           stride_kv_page, stride_kv_token, stride_kv_kind, scale_log2, BLOCK_N,
-                                           PAGE_TOKENS, False)
-        if PREFETCH_PAGES:
-            b_page = b_next
-    for n_start in range(full_end, seq_len, BLOCK_N):  # the masked tail (every tile without EVEN_TILES)
-        if PREFETCH_PAGES:
-            b_next = tile_pages(p_table_row, n_start + BLOCK_N, seq_len, PAGE_TOKENS, BLOCK_N)
-        else:
-            b_page = tile_pages(p_table_row, n_start, seq_len, PAGE_TOKENS, BLOCK_N)
-        b_max, b_sum, b_acc = _attend_tile(b_q, b_max, b_sum, b_acc, b_page, n_start, seq_len, p_kv_head,
-                                           stride_kv_page, stride_kv_token, stride_kv_kind, scale_log2, BLOCK_N,
-                                           PAGE_TOKENS, True)
-        if PREFETCH_PAGES:
-            b_page = b_next
+    b_page = tile_pages(p_table_row, 0, seq_len, PAGE_TOKENS, BLOCK_N)
+    b_max, b_sum, b_acc, b_page = _attend_span(
+        b_q, b_max, b_sum, b_acc, b_page, 0, full_end, seq_len, p_table_row, p_kv_head, scale_log2,
+        stride_kv_page, stride_kv_token, stride_kv_kind, PAGE_TOKENS, BLOCK_N, PREFETCH_PAGES, False)
+    b_max, b_sum, b_acc, b_page = _attend_span(
+        b_q, b_max, b_sum, b_acc, b_page, full_end, seq_len, seq_len, p_table_row, p_kv_head, scale_log2,
+        stride_kv_page, stride_kv_token, stride_kv_kind, PAGE_TOKENS, BLOCK_N, PREFETCH_PAGES, True)
     return b_max, b_sum, b_acc
+
+
+@triton.jit
+def _attend_span(b_q, b_max, b_sum, b_acc, b_page, n_from, n_to, seq_len, p_table_row, p_kv_head, scale_log2,
+                 stride_kv_page, stride_kv_token, stride_kv_kind, PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr,
+                 PREFETCH_PAGES: tl.constexpr, MASKED: tl.constexpr):
+    """The online softmax over the tiles from n_from to n_to; `b_page` holds tile n_from's page ids (PREFETCH_PAGES
+    loads each next tile's during the current one) and comes back holding tile n_to's."""
+    for n_start in range(n_from, n_to, BLOCK_N):
+        if PREFETCH_PAGES:
+            b_next = tile_pages(p_table_row, n_start + BLOCK_N, seq_len, PAGE_TOKENS, BLOCK_N)
+        else:
+            b_page = tile_pages(p_table_row, n_start, seq_len, PAGE_TOKENS, BLOCK_N)
+        b_max, b_sum, b_acc = _attend_tile(b_q, b_max, b_sum, b_acc, b_page, n_start, seq_len, p_kv_head,
+                                           stride_kv_page, stride_kv_token, stride_kv_kind, scale_log2, BLOCK_N,
+                                           PAGE_TOKENS, MASKED)
+        if PREFETCH_PAGES:
+            b_page = b_next
+    return b_max, b_sum, b_acc, b_page
 
 
 @triton.jit
