@@ -90,7 +90,8 @@ def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
 def _counters(engine: Engine) -> dict:
     """The engine's running totals, so a record counts only its own run (not a warm-up before it)."""
     return {"forward_steps": engine.num_steps, "graph_steps": engine.runner.num_graph_steps,
-            "preemptions": engine.scheduler.num_preemptions, "experts": engine.expert_stats}  # fmt: skip
+            "preemptions": engine.scheduler.num_preemptions,
+            "experts": engine.expert_manager.stats_dict()}  # fmt: skip  # counters only, not the pool's gauges
 
 
 def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict) -> dict:
@@ -98,7 +99,7 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
     tpot = [(t[-1] - t[0]) / (len(t) - 1) for t in clock.tokens.values() if len(t) > 1]
     itl = [b - a for t in clock.tokens.values() for a, b in zip(t, t[1:])]
     output_tokens = sum(len(t) for t in clock.tokens.values())
-    experts = {key: value - before["experts"][key] for key, value in engine.expert_stats.items()}
+    experts = {key: value - before["experts"][key] for key, value in engine.expert_manager.stats_dict().items()}
     lookups = experts["prefetch_hits"] + experts["prefetch_misses"]
     return {
         "requests": len(requests),

@@ -55,6 +55,21 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
     assert f"| elastic-0 | {elastic['output_tokens_per_s']:,.1f} | 1.00 |" in text
 
 
+def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
+    """The cost adjuster's estimates appear in `expert_stats` during the run; the record's counters start at zero
+    after the warm-up all the same."""
+    folder = family[0]
+    write_stream(tmp_path / "stream.jsonl", 24, 512)
+    budget = str(budget_for(folder, kv_tokens=60, offload=3))
+    out = tmp_path / "cost.json"
+    args = ["bench", folder, "--stream", str(tmp_path / "stream.jsonl"), "--rate", "0", "--out", str(out), "--quiet",
+            "--expert-offload-limit", "3", "--gpu-memory-budget", budget, "--adjuster", "cost"]  # fmt: skip
+    assert main(args) == 0
+    record = json.loads(out.read_text())
+    counters = ("evictions", "additions", "swaps", "bytes_copied", "hook_seconds", "routing_wait_seconds")
+    assert record["forward_steps"] > 0 and all(record[key] >= 0 for key in counters)
+
+
 def test_a_time_limit_records_the_part_that_ran_and_frees_the_rest(family, tmp_path):
     from rimuru import LLM
     from rimuru.benchmark import run_benchmark
