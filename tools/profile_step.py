@@ -25,7 +25,8 @@ from rimuru.serving.cli import add_engine_arguments, engine_options
 def fill(engine: Engine, requests: list[dict]) -> None:
     """Submit the requests and step until every prompt is prefilled, so the profiled steps are decodes."""
     for r in requests:
-        engine.add_request(r["id"], r["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=4096, ignore_eos=True))
+        room = min(4096, engine.config.max_model_len - len(r["prompt_token_ids"]))  # decodes for the whole profile
+        engine.add_request(r["id"], r["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=room, ignore_eos=True))
     while any(q.num_computed_tokens < len(q.prompt_token_ids) for q in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
 

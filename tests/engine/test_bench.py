@@ -117,3 +117,17 @@ def test_shift_stream_moves_the_second_half_of_the_arrivals_to_the_other_part(tm
         low, high = (0, 500) if i < 4 else (500, 1000)
         assert len(after["prompt_token_ids"]) == len(before["prompt_token_ids"])
         assert all(low <= t < high for t in after["prompt_token_ids"])
+
+
+def test_profile_step_prints_the_hooks_share_of_an_offloaded_step(family, tmp_path, monkeypatch, capsys):
+    """`tools/profile_step.py` as the device session runs it, on the CPU: fixed offloading, graphs' padded path."""
+    import profile_step
+
+    write_stream(tmp_path / "stream.jsonl", 8, 512)
+    argv = ["profile_step.py", family[0], "--stream", str(tmp_path / "stream.jsonl"), "--steps", "2",
+            "--num-requests", "4", "--expert-policy", "fixed", "--offload-per-layer", "2", "--cuda-graphs",
+            "--mixed-cuda-graphs", "--device", "cpu"]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    profile_step.main()
+    printed = capsys.readouterr().out
+    assert "decode step, 4 running" in printed and "of it, waiting for the router" in printed
