@@ -169,9 +169,9 @@ direct() {  # the MoE op reading host experts in place, then fixed-8 and elastic
 
 qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40 GiB card
   # NOTE: the pool holds about 65% of the experts, so at least 48 of each layer's 128 must live on the host
-  # NOTE: PCIe-bound (a step copies or reads several GB of host experts): each run stops at 150 s and records the
+  # NOTE: PCIe-bound (a step copies or reads several GB of host experts): each run stops at 120 s and records the
   # part that ran (truncated_at_s); use a short stream such as .bench/stream-100-r10.jsonl
-  local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB BENCH_FLAGS="--time-limit-s ${TIME_LIMIT_S:-150} ${BENCH_FLAGS:-}"
+  local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB BENCH_FLAGS="--time-limit-s ${TIME_LIMIT_S:-120} ${BENCH_FLAGS:-}"
   policies "qwen3-40g-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" fixed56 elastic64 elastic64-direct
 }
 
