@@ -155,6 +155,65 @@ def test_mixed_steps_replay_the_padded_path_and_change_speed_never_tokens(family
     assert engine.runner.num_graph_steps == len(seen[0]) == engine.num_steps  # every step fit a shape
 
 
+def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkeypatch):
+    """`capture_all` and a replayed step, with torch.cuda's graph API stood in for on the CPU: every decode and
+    mixed shape is captured into one pool, largest first, with one graph a piece, and a replay feeds the hook the
+    captured routing points (real rows only) and returns the sampled rows. Catches what only the GPU path runs."""
+    from rimuru.model_runner import StepInputs
+
+    folder, prompts, _ = family
+    engine, _ = run(folder, prompts[:1], cuda_graphs=True, mixed_cuda_graphs=True, max_num_seqs=16,
+                    max_num_batched_tokens=200)  # fmt: skip
+    graphs, captured_order = engine.runner.graphs, []
+
+    class StandIn:  # torch.cuda.CUDAGraph, Stream and the stream context, enough for capture_all and run
+        def __init__(self, *args, **kwargs):
+            self.replays = 0
+
+        def capture_begin(self, pool=None):
+            assert pool == "pool"
+
+        def capture_end(self):
+            pass
+
+        def replay(self):
+            self.replays += 1
+
+        def wait_stream(self, other):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+    for name, value in [("CUDAGraph", StandIn), ("Stream", StandIn), ("stream", StandIn), ("current_stream", StandIn),
+                        ("graph_pool_handle", lambda: "pool"), ("synchronize", lambda *a: None)]:  # fmt: skip
+        monkeypatch.setattr(torch.cuda, name, value)
+    original = type(graphs)._capture
+
+    def recording(self, shape, pool):
+        captured_order.append(shape)
+        return original(self, shape, pool)
+
+    monkeypatch.setattr(type(graphs), "_capture", recording)
+    graphs.capture = True
+    graphs.capture_all(progress=False)
+    num_moe = len(engine.model_config.moe_layer_ids)
+    assert set(graphs.captured) == set(graphs.shapes) and any(s.mixed for s in graphs.shapes)
+    assert [s.tokens for s in captured_order] == sorted((s.tokens for s in captured_order), reverse=True)
+    assert all(len(c.graphs) == num_moe + 1 and len(c.points) == num_moe for c in graphs.captured.values())
+    seen = []
+    ids, starts = torch.tensor([5, 6, 7], dtype=torch.int64), torch.tensor([0, 3], dtype=torch.int32)
+    inputs = StepInputs(ids, torch.arange(3), torch.zeros(1, dtype=torch.int64), starts,
+                        torch.tensor([3], dtype=torch.int32), torch.tensor([2]), [0])  # fmt: skip  # a 3-token prefill
+    logits = graphs.run(inputs, lambda layer, hidden, topk_ids: seen.append(hidden.shape[0]))
+    shape = graphs.shape_for(inputs)
+    assert shape.mixed and logits.shape == (1, engine.model_config.vocab_size)
+    assert seen == [3] * num_moe and all(g.replays == 1 for g in graphs.captured[shape].graphs)
+
+
 def test_cpu_runs_eagerly_unless_asked(family):
     folder, prompts, expected = family
     engine, tokens = run(folder, prompts[:2])
