@@ -82,6 +82,12 @@ def mixed_token_sizes(max_num_batched_tokens: int) -> list[int]:
     return sizes + [top]
 
 
+def graph_limits(max_num_seqs: int, mixed_tokens: int) -> tuple[int, int]:
+    """(the largest decode batch, the most tokens) any captured shape takes: what the graphs' memory pool holds."""
+    top = graph_batch_sizes(max_num_seqs)[-1]
+    return top, max([top, *mixed_token_sizes(mixed_tokens)])
+
+
 def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
     """`cuda_graphs`, or by default whether the engine runs on a GPU."""
     return cuda_graphs if cuda_graphs is not None else device.type == "cuda"

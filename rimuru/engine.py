@@ -16,7 +16,7 @@ import torch
 from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds
-from rimuru.decode_graphs import capture_decode_graphs, graph_batch_sizes, graphs_wanted, mixed_token_sizes
+from rimuru.decode_graphs import capture_decode_graphs, graph_limits, graphs_wanted
 from rimuru.expert_manager import ExpertManager
 from rimuru.expert_placement import check_budget, initial_offload
 from rimuru.expert_ranking import find_ranking
@@ -99,8 +99,7 @@ class Engine:
         weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
         expert_bytes = len(mc.moe_layer_ids) * mc.num_experts * 3 * sizes.expert_page_bytes
         captured = wants_graphs and self.device.type == "cuda"  # real graphs keep a memory pool of their own
-        graph_seqs = graph_batch_sizes(cfg.max_num_seqs)[-1] if captured else 0
-        graph_tokens = max([graph_seqs, *mixed_token_sizes(self._mixed_graph_tokens)]) if graph_seqs else 0
+        graph_seqs, graph_tokens = graph_limits(cfg.max_num_seqs, self._mixed_graph_tokens) if captured else (0, 0)
         self.memory_plan = plan_memory(mc, self.device, cfg.dtype, cfg.gpu_memory_budget, weights, expert_bytes,
                                        cfg.max_num_batched_tokens, cfg.max_num_seqs, graph_seqs,
                                        graph_tokens)  # fmt: skip

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from rimuru import LLM
-from rimuru.decode_graphs import Shape, graph_batch_sizes, mixed_token_sizes
+from rimuru.decode_graphs import Shape, graph_batch_sizes, graph_limits, mixed_token_sizes
 from tests.engine.conftest import NUM_PROMPTS, free_gpu_memory
 from tests.engine.test_experts import GREEDY, budget_for, run
 
@@ -101,6 +101,8 @@ def test_mixed_token_sizes_step_by_64_then_128_and_end_at_the_limit():
     assert mixed_token_sizes(8192)[-1] == 2048 and len(mixed_token_sizes(8192)) == 20
     assert mixed_token_sizes(300) == [64, 128, 192, 256, 300]
     assert mixed_token_sizes(0) == []
+    assert graph_limits(256, 0) == (256, 256) and graph_limits(256, 8192) == (256, 2048)
+    assert graph_limits(1024, 300) == (512, 512)
 
 
 def test_mixed_graphs_reserve_their_larger_passes_from_the_budget(family):
