@@ -1,32 +1,17 @@
-"""`DecodeGraphs`: decode-only forward passes replayed as CUDA graphs, the expert hook running between replays.
+"""`DecodeGraphs`: forward passes replayed as CUDA graphs, the expert hook running between replays.
 
 Eager decode of 200 requests spends 40 ms a step on the host launching kernels that keep an H200 busy for 14 ms
 (docs/benchmarks/engine.md). Here the pieces of a pass between two MoE routings (`rimuru.models.pieces`) are
-captured once per batch size of `batch_sizes`, all in one memory pool. A step writes its inputs into static
-buffers, pads the batch to the next captured size and replays the pieces in order; between two pieces it runs the
+captured once per shape, all in one memory pool: decode shapes for the batch sizes of `batch_sizes`, and with
+`mixed_sizes` (opt-in until measured on a GPU) shapes for steps that mix prefill chunks and decodes, one per padded
+token count. A step writes its rows into the static buffers (`rimuru.graph_inputs`, which also draws the padding
+layouts), pads them to the next captured shape and replays the pieces in order; between two pieces it runs the
 routing hook on the real rows exactly as the eager pass does (copies of routed experts, prefetch of the next
 layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook left them. The
 prefetch the hook hands back is issued after the next piece is queued, so the host issues its copies while the
 GPU computes.
 
-Padding rows are decodes of token 0 at position 0 with a single K/V slot in a scratch page that belongs to the
-graphs, so they write into and read from no request's pages, and they route like row 0 (`padding_rows`), so they
-touch no expert a real token does not:
-
-    rows      | 0 .. B-1: the batch                 | B .. size-1: padding         |
-    seq_len   | the request's                       | 1                            |
-    pages     | its row of the device page tables   | scratch everywhere           |
-    slot      | the new token's K/V slot            | scratch * page_tokens        |
-
-With `mixed` (opt-in until measured on a GPU) steps that mix prefill chunks and decodes replay graphs too, one
-shape per padded token count T (`mixed_token_sizes`): the batch's R requests come first, each padding token is a
-1-token padding request after them, and the request slots left over hold no token (T + 1 slots in all, so the
-attention kernels never take the batch for a decode one):
-
-    tokens    | the batch's T_real tokens, request by request | T_real .. T-1: padding, one request each     |
-    requests  | 0 .. R-1: the batch                           | R .. R+T-T_real-1: padding | the rest: empty |
-
-Batches above the largest size run eagerly. Without `capture` (CPU, where there are no CUDA graphs) `run` executes
+Batches above the largest shape run eagerly. Without `capture` (CPU, where there are no CUDA graphs) `run` executes
 the pieces eagerly over the same static, padded buffers: the tests use that to check the padding and the hook on
 the CPU.
 """
@@ -34,35 +19,17 @@ the CPU.
 import logging
 import time
 from dataclasses import dataclass
-from typing import NamedTuple
-
 import torch
 from tqdm import tqdm
 
+from rimuru.graph_inputs import GraphInputs, Shape
 from rimuru.memory import KV
-from rimuru.models import ForwardContext, QwenMoeForCausalLM
+from rimuru.models import QwenMoeForCausalLM
 from rimuru.models.pieces import Pieces, RoutingPoint, run_pieces
 
 MAX_GRAPH_BATCH = 512
 MAX_MIXED_TOKENS = 2048  # larger prefill steps are compute-bound: they run eagerly
 logger = logging.getLogger("rimuru")
-
-
-class Shape(NamedTuple):
-    """What one set of graphs is captured for: padded tokens T, request slots B, sampled rows S."""
-
-    tokens: int
-    requests: int
-    sampled: int
-    mixed: bool  # prefill chunks and decodes (else one token a request, T = B = S)
-
-    @classmethod
-    def decode(cls, size: int) -> "Shape":
-        return cls(size, size, size, False)
-
-    @classmethod
-    def mixed_step(cls, tokens: int, top: int) -> "Shape":
-        return cls(tokens, tokens + 1, min(tokens, top), True)
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -138,29 +105,13 @@ class DecodeGraphs:
                  expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
                  capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = ()):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
-        self.kv_tables = kv_tables  # [L, slots, P] the KV cache's page tables on the device, kept up to date by it
         self.host_experts = host_experts  # pinned: fixed addresses the graphs may read (expert_reads="direct")
         self.batch_sizes, self.capture = sorted(batch_sizes), capture
         self.mixed_sizes = sorted(mixed_sizes)  # token counts of the mixed steps' graphs (none: decode only)
-        self.scratch_page, self.page_tokens = scratch_page, kv_view.shape[2]
-        kv_view[scratch_page].zero_()  # padding tokens read it: finite values from the start
         top = self.batch_sizes[-1]
         self.shapes = [Shape.mixed_step(t, top) for t in self.mixed_sizes] + [Shape.decode(s) for s in self.batch_sizes]
-        dev, tokens = kv_view.device, max(s.tokens for s in self.shapes)
-        requests = max(s.requests for s in self.shapes)
-        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
-        self.positions = torch.zeros(tokens, dtype=torch.int64, device=dev)
-        self.padding_rows = torch.ones(tokens, dtype=torch.bool, device=dev)
-        self.slots = torch.zeros(requests, dtype=torch.int64, device=dev)  # each request's row in `kv_tables`
-        self.seq_lens = torch.ones(requests, dtype=torch.int32, device=dev)
-        self.padding_requests = torch.ones(requests, dtype=torch.bool, device=dev)
-        # decode shapes: token i is request i and is sampled
-        self.rows = torch.arange(tokens, dtype=torch.int64, device=dev)
-        self.decode_starts = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one token a request
-        # mixed shapes: each token's request, where each request's tokens start, the sampled tokens
-        self.token_requests = torch.zeros(tokens, dtype=torch.int64, device=dev)
-        self.mixed_starts = torch.zeros(requests + 1, dtype=torch.int32, device=dev)
-        self.sampled_tokens = torch.zeros(top, dtype=torch.int64, device=dev)
+        self.inputs = GraphInputs(kv_view, kv_tables, scratch_page, self.shapes, top)
+        self.scratch_page = scratch_page
         # NOTE: every shape's graphs write their outputs into these shared buffers (the last piece also converts the
         # logits to fp32, which the sampler does anyway): outputs kept per size would hold 1.8 GB of a 30 GiB budget
         # for Qwen1.5-MoE (35 sizes x (logits + router inputs)). Each step reads them before the next replay.
@@ -174,15 +125,13 @@ class DecodeGraphs:
         return self.shape_for(inputs) is not None
 
     def shape_for(self, inputs) -> Shape | None:
-        num_tokens, num_requests = len(inputs.input_ids), len(inputs.seq_lens)
+        num_tokens, num_requests, top = len(inputs.input_ids), len(inputs.seq_lens), self.batch_sizes[-1]
+        if num_requests > top:
+            return None
         if inputs.is_decode:
-            if num_requests <= self.batch_sizes[-1]:
-                return Shape.decode(next(s for s in self.batch_sizes if s >= num_requests))
-            return None
+            return Shape.decode(next(s for s in self.batch_sizes if s >= num_requests))
         fits = [t for t in self.mixed_sizes if t >= num_tokens]
-        if not fits or num_requests > self.batch_sizes[-1]:
-            return None
-        return Shape.mixed_step(fits[0], self.batch_sizes[-1])
+        return Shape.mixed_step(fits[0], top) if fits else None
 
     # ---- capture -----------------------------------------------------------------------------------------------
 
@@ -196,7 +145,7 @@ class DecodeGraphs:
         shapes = sorted(self.shapes, key=lambda s: (s.tokens, s.mixed), reverse=True)
         shapes = tqdm(shapes, desc="Capturing CUDA graphs", unit="shape", disable=not progress)
         for shape in shapes:
-            self._write_padding_only(shape)
+            self.inputs.write_padding_only(shape)
             run_pieces(self._pieces(shape), None)  # compiles the kernels
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
@@ -205,7 +154,7 @@ class DecodeGraphs:
         torch.cuda.synchronize()
 
     def _allocate_outputs(self) -> None:
-        config, top, tokens = self.model.config, self.batch_sizes[-1], len(self.input_ids)
+        config, top, tokens = self.model.config, self.batch_sizes[-1], self.inputs.max_tokens
         dtype, dev = self.model.lm_head.weight.dtype, self.kv_view.device
         num_moe = len(config.moe_layer_ids)
         self.logits = torch.empty(top, config.vocab_size, dtype=torch.float32, device=dev)
@@ -246,11 +195,7 @@ class DecodeGraphs:
         """Logits [B', V] of a step (`StepInputs`) that a captured shape holds, padded to it."""
         shape = self.shape_for(inputs)
         num_tokens, num_sampled = len(inputs.input_ids), len(inputs.sample_rows)
-        if shape.mixed:
-            self._write_mixed(inputs, shape)
-        else:
-            self._write_decode(inputs)
-            self._write_padding(len(inputs.seq_lens), shape.tokens)
+        self.inputs.write(inputs, shape)
 
         def hook(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
             return on_routing(layer_idx, hidden[:num_tokens], topk_ids[:num_tokens])  # padding rows load nothing
@@ -266,86 +211,8 @@ class DecodeGraphs:
             later = hook(*point) if point is not None and hook is not None else None
         return self.logits[:num_sampled]
 
-    def _write_decode(self, inputs) -> None:
-        """The batch's rows: four small host -> device copies (the page tables are gathered in the graph)."""
-        num_requests = len(inputs.seq_lens)
-        self.input_ids[:num_requests].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:num_requests].copy_(inputs.positions, non_blocking=True)
-        self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
-        self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
-        self.padding_rows[:num_requests] = False
-
-    def _write_padding(self, start: int, end: int) -> None:
-        """Rows [start, end) become padding rows (see the module docstring): of a decode shape, tokens and requests."""
-        if start >= end:
-            return
-        self.input_ids[start:end] = 0
-        self.positions[start:end] = 0
-        self.seq_lens[start:end] = 1
-        self.padding_rows[start:end] = True
-
-    def _write_mixed(self, inputs, shape: Shape) -> None:
-        """A mixed step's layout (module docstring): its tokens and requests, then padding tokens, one request each,
-        then empty request slots; the sampled tokens, then token 0 for the unused sampled rows."""
-        num_tokens, num_requests, num_sampled = len(inputs.input_ids), len(inputs.seq_lens), len(inputs.sample_rows)
-        num_padding = shape.tokens - num_tokens
-        counts = inputs.query_start_loc.diff()  # [R] tokens of each request
-        starts = torch.cat([inputs.query_start_loc, num_tokens + torch.arange(1, shape.requests - num_requests + 1,
-                                                                              dtype=torch.int32).clamp(max=num_padding)])
-        token_requests = torch.cat([torch.arange(num_requests).repeat_interleave(counts.long()),
-                                    num_requests + torch.arange(num_padding)])  # fmt: skip
-        sampled = torch.zeros(shape.sampled, dtype=torch.int64)
-        sampled[:num_sampled] = inputs.logits_indices
-        self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
-        self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
-        self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
-        self.mixed_starts[: shape.requests + 1].copy_(starts, non_blocking=True)
-        self.token_requests[: shape.tokens].copy_(token_requests, non_blocking=True)
-        self.sampled_tokens[: shape.sampled].copy_(sampled, non_blocking=True)
-        self.padding_rows[:num_tokens] = False
-        self.padding_rows[num_tokens : shape.tokens] = True
-        self.input_ids[num_tokens : shape.tokens] = 0
-        self.positions[num_tokens : shape.tokens] = 0
-        self.padding_requests[:num_requests] = False
-        self.padding_requests[num_requests : shape.requests] = True
-        self.seq_lens[num_requests : shape.requests] = 1
-
-    def _write_padding_only(self, shape: Shape) -> None:
-        """Every token and request slot of `shape` padding (capture and warm-up)."""
-        self._write_padding(0, shape.tokens)
-        self.padding_requests[: shape.requests] = True
-        self.seq_lens[: shape.requests] = 1
-        if shape.mixed:
-            self.mixed_starts[: shape.requests + 1] = torch.arange(shape.requests + 1).clamp(max=shape.tokens)
-            self.token_requests[: shape.tokens] = self.rows[: shape.tokens]
-            self.sampled_tokens[: shape.sampled] = 0
-
     def _pieces(self, shape: Shape) -> Pieces:
-        """The pass over `shape`'s rows. Its first piece gathers the requests' KV page tables and the tokens' slot
-        mappings from the device tables (padding requests get the scratch page), so a step copies no tables."""
-        num_tokens, num_requests = shape.tokens, shape.requests
-        positions, padding = self.positions[:num_tokens], self.padding_rows[:num_tokens]
-        if shape.mixed:
-            token_requests, starts = self.token_requests[:num_tokens], self.mixed_starts[: num_requests + 1]
-            sampled, padding_requests = self.sampled_tokens[: shape.sampled], self.padding_requests[:num_requests]
-        else:  # token i is request i, and every token is sampled
-            token_requests, starts = self.rows[:num_tokens], self.decode_starts[: num_requests + 1]
-            sampled, padding_requests = self.rows[:num_tokens], padding
-        tables = self.kv_tables.index_select(1, self.slots[:num_requests])  # [L, B, P]
-        tables = torch.where(padding_requests[None, :, None], self.scratch_page, tables)
-        pages = tables[:, token_requests, positions // self.page_tokens].long()  # [L, T]
-        ctx = ForwardContext(
-            positions=positions,
-            query_start_loc=starts,
-            seq_lens=self.seq_lens[:num_requests],
-            kv_page_tables=tables,
-            slot_mappings=pages * self.page_tokens + positions % self.page_tokens,
-            expert_page_tables=self.expert_tables,
-            kv_view=self.kv_view,
-            expert_view=self.expert_view,
-            logits_indices=sampled,
-            host_experts=self.host_experts,
-            padding_rows=padding,
-        )
-        return (yield from self.model.steps(self.input_ids[:num_tokens], ctx))
+        """The pass over `shape`'s rows of the static buffers."""
+        input_ids, ctx = self.inputs.context(shape, self.expert_tables, self.kv_view, self.expert_view,
+                                             self.host_experts)  # fmt: skip
+        return (yield from self.model.steps(input_ids, ctx))

@@ -1,0 +1,162 @@
+"""`GraphInputs`: the static device buffers a captured pass reads, and how one step's rows are written into them.
+
+A CUDA graph reads fixed addresses, so every captured shape (`Shape`) reads slices of these buffers, and a step
+writes its rows there, padded to the shape. Padding rows are decodes of token 0 at position 0 with a single K/V
+slot in a scratch page that belongs to the graphs, so they write into and read from no request's pages, and they
+route like row 0 (`padding_rows`), so they touch no expert a real token does not. A decode shape (one token a
+request):
+
+    rows      | 0 .. B-1: the batch                 | B .. size-1: padding         |
+    seq_len   | the request's                       | 1                            |
+    pages     | its row of the device page tables   | scratch everywhere           |
+    slot      | the new token's K/V slot            | scratch * page_tokens        |
+
+A mixed shape (prefill chunks and decodes, T padded tokens): the batch's R requests come first, each padding token
+is a 1-token padding request after them, and the request slots left over hold no token (T + 1 slots in all, so the
+attention kernels never take the batch for a decode one):
+
+    tokens    | the batch's T_real tokens, request by request | T_real .. T-1: padding, one request each     |
+    requests  | 0 .. R-1: the batch                           | R .. R+T-T_real-1: padding | the rest: empty |
+
+The pass's first piece gathers the requests' KV page tables and the tokens' slot mappings from the KV cache's
+device tables, so a step copies no tables. Does not own capture or replay (`rimuru.decode_graphs`).
+"""
+
+from typing import NamedTuple
+
+import torch
+
+from rimuru.models import ForwardContext
+
+
+class Shape(NamedTuple):
+    """What one set of graphs is captured for: padded tokens T, request slots B, sampled rows S."""
+
+    tokens: int
+    requests: int
+    sampled: int
+    mixed: bool  # prefill chunks and decodes (else one token a request, T = B = S)
+
+    @classmethod
+    def decode(cls, size: int) -> "Shape":
+        return cls(size, size, size, False)
+
+    @classmethod
+    def mixed_step(cls, tokens: int, top: int) -> "Shape":
+        return cls(tokens, tokens + 1, min(tokens, top), True)
+
+
+class GraphInputs:
+    def __init__(self, kv_view: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, shapes: list[Shape],
+                 top: int):  # fmt: skip
+        self.kv_tables = kv_tables  # [L, slots, P] the KV cache's page tables on the device, kept up to date by it
+        self.scratch_page, self.page_tokens = scratch_page, kv_view.shape[2]
+        kv_view[scratch_page].zero_()  # padding tokens read it: finite values from the start
+        dev, tokens = kv_view.device, max(s.tokens for s in shapes)
+        requests = max(s.requests for s in shapes)
+        self.input_ids = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.positions = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.padding_rows = torch.ones(tokens, dtype=torch.bool, device=dev)
+        self.slots = torch.zeros(requests, dtype=torch.int64, device=dev)  # each request's row in `kv_tables`
+        self.seq_lens = torch.ones(requests, dtype=torch.int32, device=dev)
+        self.padding_requests = torch.ones(requests, dtype=torch.bool, device=dev)
+        # decode shapes: token i is request i and is sampled
+        self.rows = torch.arange(tokens, dtype=torch.int64, device=dev)
+        self.decode_starts = torch.arange(top + 1, dtype=torch.int32, device=dev)  # one token a request
+        # mixed shapes: each token's request, where each request's tokens start, the sampled tokens
+        self.token_requests = torch.zeros(tokens, dtype=torch.int64, device=dev)
+        self.mixed_starts = torch.zeros(requests + 1, dtype=torch.int32, device=dev)
+        self.sampled_tokens = torch.zeros(top, dtype=torch.int64, device=dev)
+
+    @property
+    def max_tokens(self) -> int:
+        return len(self.input_ids)
+
+    def write(self, inputs, shape: Shape) -> None:
+        """A step's rows (`StepInputs`), padded to `shape`: a few small host -> device copies."""
+        if shape.mixed:
+            self._write_mixed(inputs, shape)
+            return
+        num_requests = len(inputs.seq_lens)
+        self.input_ids[:num_requests].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:num_requests].copy_(inputs.positions, non_blocking=True)
+        self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
+        self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
+        self.padding_rows[:num_requests] = False
+        self._write_padding(num_requests, shape.tokens)
+
+    def write_padding_only(self, shape: Shape) -> None:
+        """Every token and request slot of `shape` padding (capture and warm-up)."""
+        self._write_padding(0, shape.tokens)
+        self.padding_requests[: shape.requests] = True
+        self.seq_lens[: shape.requests] = 1
+        if shape.mixed:
+            self.mixed_starts[: shape.requests + 1] = torch.arange(shape.requests + 1).clamp(max=shape.tokens)
+            self.token_requests[: shape.tokens] = self.rows[: shape.tokens]
+            self.sampled_tokens[: shape.sampled] = 0
+
+    def _write_padding(self, start: int, end: int) -> None:
+        """Rows [start, end) become padding rows: of a decode shape, tokens and requests."""
+        if start >= end:
+            return
+        self.input_ids[start:end] = 0
+        self.positions[start:end] = 0
+        self.seq_lens[start:end] = 1
+        self.padding_rows[start:end] = True
+
+    def _write_mixed(self, inputs, shape: Shape) -> None:
+        """A mixed step's layout (module docstring): its tokens and requests, then padding tokens, one request each,
+        then empty request slots; the sampled tokens, then token 0 for the unused sampled rows."""
+        num_tokens, num_requests, num_sampled = len(inputs.input_ids), len(inputs.seq_lens), len(inputs.sample_rows)
+        num_padding = shape.tokens - num_tokens
+        counts = inputs.query_start_loc.diff()  # [R] tokens of each request
+        after = torch.arange(1, shape.requests - num_requests + 1, dtype=torch.int32).clamp(max=num_padding)
+        starts = torch.cat([inputs.query_start_loc, num_tokens + after])  # [B + 1]
+        token_requests = torch.cat([torch.arange(num_requests).repeat_interleave(counts.long()),
+                                    num_requests + torch.arange(num_padding)])  # fmt: skip
+        sampled = torch.zeros(shape.sampled, dtype=torch.int64)
+        sampled[:num_sampled] = inputs.logits_indices
+        self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
+        self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
+        self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
+        self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
+        self.mixed_starts[: shape.requests + 1].copy_(starts, non_blocking=True)
+        self.token_requests[: shape.tokens].copy_(token_requests, non_blocking=True)
+        self.sampled_tokens[: shape.sampled].copy_(sampled, non_blocking=True)
+        self.padding_rows[:num_tokens] = False
+        self.padding_rows[num_tokens : shape.tokens] = True
+        self.input_ids[num_tokens : shape.tokens] = 0
+        self.positions[num_tokens : shape.tokens] = 0
+        self.padding_requests[:num_requests] = False
+        self.padding_requests[num_requests : shape.requests] = True
+        self.seq_lens[num_requests : shape.requests] = 1
+
+    def context(self, shape: Shape, expert_tables: torch.Tensor, kv_view: torch.Tensor, expert_view: torch.Tensor,
+                host_experts: dict | None) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
+        """(input ids [T], the pass's context) over `shape`'s rows; the gathers it starts with run inside the
+        pass's first piece (padding requests get the scratch page)."""
+        num_tokens, num_requests = shape.tokens, shape.requests
+        positions, padding = self.positions[:num_tokens], self.padding_rows[:num_tokens]
+        if shape.mixed:
+            token_requests, starts = self.token_requests[:num_tokens], self.mixed_starts[: num_requests + 1]
+            sampled, padding_requests = self.sampled_tokens[: shape.sampled], self.padding_requests[:num_requests]
+        else:  # token i is request i, and every token is sampled
+            token_requests, starts = self.rows[:num_tokens], self.decode_starts[: num_requests + 1]
+            sampled, padding_requests = self.rows[:num_tokens], padding
+        tables = self.kv_tables.index_select(1, self.slots[:num_requests])  # [L, B, P]
+        tables = torch.where(padding_requests[None, :, None], self.scratch_page, tables)
+        pages = tables[:, token_requests, positions // self.page_tokens].long()  # [L, T]
+        ctx = ForwardContext(
+            positions=positions,
+            query_start_loc=starts,
+            seq_lens=self.seq_lens[:num_requests],
+            kv_page_tables=tables,
+            slot_mappings=pages * self.page_tokens + positions % self.page_tokens,
+            expert_page_tables=expert_tables,
+            kv_view=kv_view,
+            expert_view=expert_view,
+            logits_indices=sampled,
+            host_experts=host_experts,
+            padding_rows=padding,
+        )
+        return self.input_ids[:num_tokens], ctx
