@@ -109,7 +109,9 @@ class DecodeGraphs:
         self.batch_sizes, self.capture = sorted(batch_sizes), capture
         self.mixed_sizes = sorted(mixed_sizes)  # token counts of the mixed steps' graphs (none: decode only)
         top = self.batch_sizes[-1]
-        self.shapes = [Shape.mixed_step(t, top) for t in self.mixed_sizes] + [Shape.decode(s) for s in self.batch_sizes]
+        page = kv_view.shape[2]
+        self.shapes = [Shape.mixed_step(t, top, page) for t in self.mixed_sizes]
+        self.shapes += [Shape.decode(s) for s in self.batch_sizes]
         self.inputs = GraphInputs(kv_view, kv_tables, scratch_page, self.shapes, top)
         self.scratch_page = scratch_page
         # NOTE: every shape's graphs write their outputs into these shared buffers (the last piece also converts the
@@ -131,7 +133,7 @@ class DecodeGraphs:
         if inputs.is_decode:
             return Shape.decode(next(s for s in self.batch_sizes if s >= num_requests))
         fits = [t for t in self.mixed_sizes if t >= num_tokens]
-        return Shape.mixed_step(fits[0], top) if fits else None
+        return Shape.mixed_step(fits[0], top, self.kv_view.shape[2]) if fits else None
 
     # ---- capture -----------------------------------------------------------------------------------------------
 

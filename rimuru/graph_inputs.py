@@ -11,12 +11,14 @@ request):
     pages     | its row of the device page tables   | scratch everywhere           |
     slot      | the new token's K/V slot            | scratch * page_tokens        |
 
-A mixed shape (prefill chunks and decodes, T padded tokens): the batch's R requests come first, each padding token
-is a 1-token padding request after them, and the request slots left over hold no token (T + 1 slots in all, so the
-attention kernels never take the batch for a decode one):
+A mixed shape (prefill chunks and decodes, T padded tokens): the batch's R requests come first, then the padding
+tokens as padding requests of at most one page of tokens each (positions 0, 1, .. in the scratch page), and the
+request slots left over hold no token (B = top + ceil(T / page) + 1 slots, never T, so the attention kernels never
+take the batch for a decode one):
 
-    tokens    | the batch's T_real tokens, request by request | T_real .. T-1: padding, one request each     |
-    requests  | 0 .. R-1: the batch                           | R .. R+T-T_real-1: padding | the rest: empty |
+    tokens    | the batch's T_real tokens, request by request | T_real .. T-1: padding, a page's worth a request |
+    requests  | 0 .. R-1: the batch                           | R .. : padding, ceil((T - T_real) / page) | empty  |
+    position  | the request's                                 | 0, 1, .. page-1, 0, 1, ..                       |
 
 The pass's first piece gathers the requests' KV page tables and the tokens' slot mappings from the KV cache's
 device tables, so a step copies no tables. Does not own capture or replay (`rimuru.decode_graphs`).
@@ -42,8 +44,10 @@ class Shape(NamedTuple):
         return cls(size, size, size, False)
 
     @classmethod
-    def mixed_step(cls, tokens: int, top: int) -> "Shape":
-        return cls(tokens, tokens + 1, min(tokens, top), True)
+    def mixed_step(cls, tokens: int, top: int, page_tokens: int) -> "Shape":
+        """T tokens: up to `top` requests of the batch, then padding requests of at most a page of tokens each."""
+        requests = top + -(-tokens // page_tokens) + 1
+        return cls(tokens, requests + (requests == tokens), min(tokens, top), True)  # NOTE: B != T, never decode
 
 
 class GraphInputs:
@@ -91,9 +95,22 @@ class GraphInputs:
         self.padding_requests[: shape.requests] = True
         self.seq_lens[: shape.requests] = 1
         if shape.mixed:
-            self.mixed_starts[: shape.requests + 1] = torch.arange(shape.requests + 1).clamp(max=shape.tokens)
-            self.token_requests[: shape.tokens] = self.rows[: shape.tokens]
+            positions, token_requests, starts, seq_lens = self._padding_layout(0, shape.tokens, 0, shape.requests)
+            self.positions[: shape.tokens] = positions
+            self.token_requests[: shape.tokens] = token_requests
+            self.mixed_starts[: shape.requests + 1] = torch.cat([torch.zeros(1, dtype=torch.int32), starts])
+            self.seq_lens[: shape.requests] = seq_lens
             self.sampled_tokens[: shape.sampled] = 0
+
+    def _padding_layout(self, first_token: int, num_padding: int, first_request: int, num_requests: int):
+        """Host tensors for `num_padding` padding tokens from `first_token` on, in requests of at most a page from
+        `first_request` on, and empty request slots up to `num_requests`: (positions [P], token requests [P], each
+        request's end [num_requests - first_request], seq_lens [num_requests - first_request])."""
+        page, index = self.page_tokens, torch.arange(num_padding)
+        groups = torch.arange(1, num_requests - first_request + 1)  # [G]
+        ends = first_token + (groups * page).clamp(max=num_padding)  # [G] a group's last token + 1
+        sizes = (ends - first_token - (groups - 1) * page).clamp(min=1)  # [G] empty slots: 1 (never read)
+        return (index % page, first_request + index // page, ends.to(torch.int32), sizes.to(torch.int32))
 
     def _write_padding(self, start: int, end: int) -> None:
         """Rows [start, end) become padding rows: of a decode shape, tokens and requests."""
@@ -105,31 +122,27 @@ class GraphInputs:
         self.padding_rows[start:end] = True
 
     def _write_mixed(self, inputs, shape: Shape) -> None:
-        """A mixed step's layout (module docstring): its tokens and requests, then padding tokens, one request each,
-        then empty request slots; the sampled tokens, then token 0 for the unused sampled rows."""
+        """A mixed step's layout (module docstring): its tokens and requests, then the padding requests, then empty
+        request slots; the sampled tokens, then token 0 for the unused sampled rows."""
         num_tokens, num_requests, num_sampled = len(inputs.input_ids), len(inputs.seq_lens), len(inputs.sample_rows)
-        num_padding = shape.tokens - num_tokens
-        counts = inputs.query_start_loc.diff()  # [R] tokens of each request
-        after = torch.arange(1, shape.requests - num_requests + 1, dtype=torch.int32).clamp(max=num_padding)
-        starts = torch.cat([inputs.query_start_loc, num_tokens + after])  # [B + 1]
-        token_requests = torch.cat([torch.arange(num_requests).repeat_interleave(counts.long()),
-                                    num_requests + torch.arange(num_padding)])  # fmt: skip
+        positions, padding_requests, ends, seq_lens = self._padding_layout(num_tokens, shape.tokens - num_tokens,
+                                                                           num_requests, shape.requests)  # fmt: skip
+        counts = inputs.query_start_loc.diff().long()  # [R] tokens of each request
+        token_requests = torch.cat([torch.arange(num_requests).repeat_interleave(counts), padding_requests])  # [T]
         sampled = torch.zeros(shape.sampled, dtype=torch.int64)
         sampled[:num_sampled] = inputs.logits_indices
         self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
-        self.positions[:num_tokens].copy_(inputs.positions, non_blocking=True)
+        self.positions[: shape.tokens].copy_(torch.cat([inputs.positions, positions]), non_blocking=True)
         self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
-        self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
-        self.mixed_starts[: shape.requests + 1].copy_(starts, non_blocking=True)
+        self.seq_lens[: shape.requests].copy_(torch.cat([inputs.seq_lens, seq_lens]), non_blocking=True)
+        self.mixed_starts[: shape.requests + 1].copy_(torch.cat([inputs.query_start_loc, ends]), non_blocking=True)
         self.token_requests[: shape.tokens].copy_(token_requests, non_blocking=True)
         self.sampled_tokens[: shape.sampled].copy_(sampled, non_blocking=True)
         self.padding_rows[:num_tokens] = False
         self.padding_rows[num_tokens : shape.tokens] = True
         self.input_ids[num_tokens : shape.tokens] = 0
-        self.positions[num_tokens : shape.tokens] = 0
         self.padding_requests[:num_requests] = False
         self.padding_requests[num_requests : shape.requests] = True
-        self.seq_lens[num_requests : shape.requests] = 1
 
     def context(self, shape: Shape, expert_tables: torch.Tensor, kv_view: torch.Tensor, expert_view: torch.Tensor,
                 host_experts: dict | None) -> tuple[torch.Tensor, ForwardContext]:  # fmt: skip
