@@ -115,7 +115,7 @@ def _decode_kernel(
         b_q = tl.load(p_query + i_b * stride_qt + o_h[:, None] * stride_qh + o_d[None, :], mask=m_m[:, None],
                       other=0.0)  # [ROWS, Dh]
         p_kv_head = p_kv + i_kh * stride_kv_head + o_d[None, :]
-        b_max, b_sum, b_acc = _attend_request(
+        _, b_sum, b_acc = _attend_request(
             b_q, tl.load(p_seq_lens + i_b), p_page_table + i_b * stride_table, p_kv_head, scale_log2,
             stride_kv_page, stride_kv_token, stride_kv_kind, ROWS, HEAD_DIM, PAGE_TOKENS, BLOCK_N, EVEN_TILES,
             PREFETCH_PAGES,

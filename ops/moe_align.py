@@ -122,7 +122,7 @@ def _align_one_program_kernel(
         tl.store(p_sorted_ids + o_r, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=o_r < max_rows)
     tl.debug_barrier()  # NOTE: the pad ids above must land before the pair ids that overwrite some of them
     b_next = b_end - b_padded
-    for i_c in range(0, tl.cdiv(num_pairs, CHUNK)):
+    for i_c in range(tl.cdiv(num_pairs, CHUNK)):
         b_next = _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_next, EXPERTS_PAD, CHUNK)
     _store_block_experts(p_block_expert, b_end, 0, max_blocks, num_experts, BLOCK_M, CHUNK)
     tl.store(p_num_padded, tl.sum(b_padded, 0))

@@ -19,6 +19,7 @@ the CPU.
 import logging
 import time
 from dataclasses import dataclass
+
 import torch
 from tqdm import tqdm
 

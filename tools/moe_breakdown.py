@@ -135,10 +135,10 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     whole = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"])  # noqa: E731
     row["op_us"] = time_graph_us(whole, smoke)  # as wired by default
     outputs = {}
-    for name, sum_fn in (("torch_sum", lambda pairs: pairs.sum(1)), ("triton_sum", topk_sum_triton)):
+    for label, sum_fn in (("torch_sum", lambda pairs: pairs.sum(1)), ("triton_sum", topk_sum_triton)):
         with wired_topk_sum(sum_fn):
-            row[f"op_{name}_us"] = time_graph_us(whole, smoke)
-            outputs[name] = whole().float()
+            row[f"op_{label}_us"] = time_graph_us(whole, smoke)
+            outputs[label] = whole().float()
     ref = outputs["torch_sum"]
     row["op_rel_diff_vs_torch_sum"] = ((outputs["triton_sum"] - ref).norm() / ref.norm()).item()
     pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_torch_us"]
