@@ -52,8 +52,9 @@ def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True,
             now = time.perf_counter() - start
             for request in updated:
                 clock.tokens.setdefault(request.request_id, []).append(now)
-            finished += sum(r.is_finished for r in updated)
-            bar.update(sum(r.is_finished for r in updated))
+            done = sum(r.is_finished for r in updated)
+            finished += done
+            bar.update(done)
             series.append(_sample(engine, now, sum(1 for _ in updated), before))
     wall = time.perf_counter() - start
     truncated = bool(pending or engine.has_unfinished())

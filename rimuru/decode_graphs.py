@@ -75,7 +75,7 @@ def capture_decode_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, k
     if page_ids is None:
         raise ValueError("the pool has no KV page left for the CUDA graphs' padding rows; raise gpu_memory_budget")
     sizes = graph_batch_sizes(max_num_seqs)
-    mixed = mixed_token_sizes(mixed_tokens) if mixed_tokens else []
+    mixed = mixed_token_sizes(mixed_tokens)
     graphs = DecodeGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
                           page_ids[0], sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
                           mixed_sizes=mixed)  # fmt: skip
@@ -109,12 +109,11 @@ class DecodeGraphs:
         self.host_experts = host_experts  # pinned: fixed addresses the graphs may read (expert_reads="direct")
         self.batch_sizes, self.capture = sorted(batch_sizes), capture
         self.mixed_sizes = sorted(mixed_sizes)  # token counts of the mixed steps' graphs (none: decode only)
-        top = self.batch_sizes[-1]
-        page = kv_view.shape[2]
-        self.shapes = [Shape.mixed_step(t, top, page) for t in self.mixed_sizes]
+        top, page_tokens = self.batch_sizes[-1], kv_view.shape[2]
+        self.shapes = [Shape.mixed_step(t, top, page_tokens) for t in self.mixed_sizes]
         self.shapes += [Shape.decode(s) for s in self.batch_sizes]
         self.inputs = GraphInputs(kv_view, kv_tables, scratch_page, self.shapes, top)
-        self.scratch_page = scratch_page
+        self.scratch_page = scratch_page  # the padding rows' KV page, the graphs' own
         # NOTE: every shape's graphs write their outputs into these shared buffers (the last piece also converts the
         # logits to fp32, which the sampler does anyway): outputs kept per size would hold 1.8 GB of a 30 GiB budget
         # for Qwen1.5-MoE (35 sizes x (logits + router inputs)). Each step reads them before the next replay.
@@ -123,18 +122,15 @@ class DecodeGraphs:
         self.point_ids: torch.Tensor | None = None  # [MoE layers, tokens, K]
         self.captured: dict[Shape, _Captured] = {}
 
-    def holds(self, inputs) -> bool:
-        """Whether a captured shape takes this step (`StepInputs`)."""
-        return self.shape_for(inputs) is not None
-
     def shape_for(self, inputs) -> Shape | None:
+        """The captured shape that takes this step (`StepInputs`); None: it runs eagerly."""
         num_tokens, num_requests, top = len(inputs.input_ids), len(inputs.seq_lens), self.batch_sizes[-1]
         if num_requests > top:
             return None
         if inputs.is_decode:
             return Shape.decode(next(s for s in self.batch_sizes if s >= num_requests))
         fits = [t for t in self.mixed_sizes if t >= num_tokens]
-        return Shape.mixed_step(fits[0], top, self.kv_view.shape[2]) if fits else None
+        return Shape.mixed_step(fits[0], top, self.inputs.page_tokens) if fits else None
 
     # ---- capture -----------------------------------------------------------------------------------------------
 
@@ -194,9 +190,8 @@ class DecodeGraphs:
     # ---- a step ------------------------------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def run(self, inputs, on_routing) -> torch.Tensor:
-        """Logits [B', V] of a step (`StepInputs`) that a captured shape holds, padded to it."""
-        shape = self.shape_for(inputs)
+    def run(self, inputs, on_routing, shape: Shape) -> torch.Tensor:
+        """Logits [B', V] of a step (`StepInputs`), padded to `shape` (its `shape_for`)."""
         num_tokens, num_sampled = len(inputs.input_ids), len(inputs.sample_rows)
         self.inputs.write(inputs, shape)
 

@@ -47,10 +47,11 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
         """Logits [B', V] (fp32) for the requests that finish their known tokens this round, and their batch rows."""
         inputs = self.prepare(batch)
-        if self.graphs is not None and self.graphs.holds(inputs):
+        shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
+        if shape is not None:
             _, hook = self.experts.pass_routing(fixed_tables=True)  # the graphs read working_tables
             self.num_graph_steps += 1
-            return self.graphs.run(inputs, hook).float(), inputs.sample_rows
+            return self.graphs.run(inputs, hook, shape).float(), inputs.sample_rows
         logits = self.model(inputs.input_ids.to(self.device, non_blocking=True), self.context(inputs))  # [B', V]
         return logits.float(), inputs.sample_rows
 

@@ -30,11 +30,11 @@ def record_hook_rows(engine) -> list[tuple[int, int]]:
             seen.append((hidden.shape[0], topk_ids.shape[0], current[0]))
         return hook(layer, hidden, topk_ids)
 
-    def run(inputs, on_routing_):
+    def run(inputs, on_routing_, shape):
         assert torch.equal(engine.kv_cache.device_tables, engine.kv_cache.tables)  # the copy the graphs gather from
         current[0] = len(inputs.seq_lens)
         try:
-            return run_graph(inputs, on_routing_)
+            return run_graph(inputs, on_routing_, shape)
         finally:
             current[0] = None
 
@@ -91,7 +91,7 @@ def test_replays_issue_the_hooks_prefetch_after_queueing_the_next_piece(family):
     one = torch.zeros(1, dtype=torch.int64)
     inputs = StepInputs(one, one, one, torch.tensor([0, 1], dtype=torch.int32), torch.ones(1, dtype=torch.int32),
                         one, [0])  # fmt: skip
-    graphs.run(inputs, hook)
+    graphs.run(inputs, hook, Shape.decode(size))
     assert events == [("replay", 0), ("hook", 0), ("replay", 1), ("prefetch", 0), ("hook", 1), ("replay", 2),
                       ("prefetch", 1)]  # fmt: skip
 
@@ -122,15 +122,15 @@ def record_shapes(engine) -> list[tuple[Shape, int, int]]:
     runner, seen = engine.runner, []
     run_graph = runner.graphs.run
 
-    def run(inputs, on_routing):
+    def run(inputs, on_routing, shape):
         rows = []
 
         def hook(layer, hidden, topk_ids):
             rows.append(hidden.shape[0])
             return on_routing(layer, hidden, topk_ids)
 
-        out = run_graph(inputs, hook if on_routing is not None else None)
-        seen.append((runner.graphs.shape_for(inputs), len(inputs.input_ids), rows[0] if rows else -1))
+        out = run_graph(inputs, hook if on_routing is not None else None, shape)
+        seen.append((shape, len(inputs.input_ids), rows[0] if rows else -1))
         assert out.shape[0] == len(inputs.sample_rows)
         return out
 
@@ -210,8 +210,8 @@ def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkey
     ids, starts = torch.tensor([5, 6, 7], dtype=torch.int64), torch.tensor([0, 3], dtype=torch.int32)
     inputs = StepInputs(ids, torch.arange(3), torch.zeros(1, dtype=torch.int64), starts,
                         torch.tensor([3], dtype=torch.int32), torch.tensor([2]), [0])  # fmt: skip  # a 3-token prefill
-    logits = graphs.run(inputs, lambda layer, hidden, topk_ids: seen.append(hidden.shape[0]))
     shape = graphs.shape_for(inputs)
+    logits = graphs.run(inputs, lambda layer, hidden, topk_ids: seen.append(hidden.shape[0]), shape)
     assert shape.mixed and logits.shape == (1, engine.model_config.vocab_size)
     assert seen == [3] * num_moe and all(g.replays == 1 for g in graphs.captured[shape].graphs)
 
