@@ -4,7 +4,7 @@ Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises wit
 it. On CUDA two Triton launches (per-chunk expert counts, then a scatter that recomputes the prefix it needs; past
 SCATTER_PROGRAMS chunks a scatter program takes a run of consecutive chunks, so the count table is read fewer times),
 or for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one program that does all of it:
-11-16 us for up to 4096 pairs on an H200 against 200-500 us for the torch path's ~25 small launches (eager, host
+11-16 us for up to 4096 pairs (10.7-15.9 us in one program up to 128) on an H200 against 200-500 us for the torch path's ~25 small launches (eager, host
 bound; docs/benchmarks/kernels.json). The torch path (argsort, cumsum, scatter) serves CPU. Both give the same
 layout, which the interpreter tests check. Does not own the GEMMs (`rimuru.ops.paged_moe`).
 
@@ -20,10 +20,12 @@ import triton
 import triton.language as tl
 
 CHUNK = 128  # pairs a program sorts; [CHUNK, E] one-hot tiles stay in registers
-# NOTE: both off (the layout measured on the H200) until `bench_kernels.py --breakdown` times them there; the
-# candidates it times: SCATTER_PROGRAMS = 64 and ONE_PROGRAM_CHUNKS = 2
+# `bench_kernels.py --breakdown` on the H200 (docs/benchmarks/kernels.md): one program beats count + scatter by
+# 2.2-3.4 us at 4-64 pairs (one chunk) and loses from two chunks (15.5 vs 13.2 us at 256 pairs, 42.6 vs 19.5 at
+# 512); 64 scatter programs won at 32768 pairs with E = 128 (61.1 vs 71.1 us) and lost at 16384 with E = 60 (18.7
+# vs 15.5), so the scatter keeps one program a chunk
 SCATTER_PROGRAMS = None  # scatter programs wanted once there are more chunks; None: one program a chunk
-ONE_PROGRAM_CHUNKS = 0  # up to this many chunks the whole sort is one launch of one program
+ONE_PROGRAM_CHUNKS = 1  # up to this many chunks the whole sort is one launch of one program
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:

@@ -12,10 +12,11 @@ suffice; a program finds its request by binary search and exits when it has no q
     K/V token n        ->  kv_view[page_table[b, n // S], 0 or 1, n % S, kv_head, :]   (through the view's strides)
 
 Decode-only batches (T == B) whose shapes call for more than one split go to the split-KV kernel
-(`rimuru.ops.split_kv_attention`); everything else runs here.
+(`rimuru.ops.split_kv_attention`), the other decode-only batches to the decode kernel (`rimuru.ops.decode_attention`:
+no request search, no causal mask); everything else runs here.
 
 Performance (H200, bf16, docs/benchmarks/kernels.md): decode of 64 requests x 1024 tokens with Qwen3-30B-A3B heads
-takes 49 us, 2.74 TB/s, 65% of the measured copy bandwidth, unsplit.
+takes 62.4 us here (51% of the measured copy bandwidth) and 48.0 us (66%) in the decode kernel, in one run.
 """
 
 import torch
@@ -24,6 +25,7 @@ import triton.language as tl
 
 from rimuru.ops import reference
 from rimuru.ops.attention_tiles import attend_pages
+from rimuru.ops.decode_attention import decode_attention_triton, decode_config
 from rimuru.ops.split_kv_attention import LOG2_E, decode_splits, num_sms, split_kv_attention_triton
 
 
@@ -84,12 +86,15 @@ def _paged_attention_kernel(
 def attention_config(num_tokens: int, num_requests: int, group: int, num_splits: int = 1,
                      element_size: int = 2) -> dict:  # fmt: skip
     """Decode-only batches (T == B) take one query a program and long K/V tiles (best of a sweep on an H200; half
-    as long in fp32, whose 128-token K and V tiles of 128 dims overflow shared memory), split `num_splits` ways;
+    as long in fp32, whose 128-token K and V tiles of 128 dims overflow shared memory), split `num_splits` ways or
+    else run in the decode kernel with all its flags on (`DECODE`, the fastest of `tools/sweep_decode_attention.py`);
     prefill chunks take enough rows to fill a tile and are never split."""
     group_pad = triton.next_power_of_2(group)
     if num_tokens <= num_requests:
-        return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": 128 if element_size <= 2 else 64, "num_warps": 8,
-                "num_stages": 2, "NUM_SPLITS": num_splits}
+        block_n = 128 if element_size <= 2 else 64
+        decode = decode_config(BLOCK_N=block_n, HEADS_FASTEST=True, EVEN_TILES=True, PREFETCH_PAGES=True)
+        return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": block_n, "num_warps": 8, "num_stages": 2,
+                "NUM_SPLITS": num_splits, "DECODE": decode if num_splits == 1 else None}
     return {"BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "NUM_SPLITS": 1}
 
 
@@ -121,6 +126,9 @@ def paged_attention_triton(
     cfg = config or default_config(query, kv_view, page_table, num_requests)
     if cfg.get("NUM_SPLITS", 1) > 1:
         return split_kv_attention_triton(query, kv_view, page_table, seq_lens, query_start_loc, scale, cfg)
+    if cfg.get("DECODE") and _decode_kernel_takes(query, kv_view, num_requests):
+        return decode_attention_triton(query, kv_view, page_table, seq_lens, scale, cfg["DECODE"],
+                                       num_sms(query.device))[0]
     out = torch.empty_like(query)
     if num_tokens == 0 or num_requests == 0:
         return out
@@ -136,6 +144,13 @@ def paged_attention_triton(
         PREFETCH_PAGES=cfg.get("PREFETCH_PAGES", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out
+
+
+def _decode_kernel_takes(query, kv_view, num_requests) -> bool:
+    """One query a request, head dims contiguous and a power of two from 16: the decode kernel's preconditions."""
+    head_dim = query.shape[2]
+    return (query.shape[0] == num_requests > 0 and query.stride(2) == 1 and kv_view.stride(4) == 1
+            and head_dim >= 16 and head_dim == triton.next_power_of_2(head_dim))
 
 
 @torch.library.custom_op("rimuru::paged_attention", mutates_args=(), device_types="cpu")
