@@ -27,7 +27,7 @@
 #   limits    the sweeps: elastic with limits 4, 12, 16 and fixed with 4 and 16 at $RATE; $OUT/limits-r$RATE.tar.gz
 #   direct    tools/bench_direct_reads.py (the MoE op reading host experts in place against copying them), then
 #             fixed-8 and elastic-8 with --expert-reads direct at $RATE; $OUT/direct-r$RATE.tar.gz
-#   qwen3     Qwen3-30B-A3B at 40 GiB (weights do not fit): fixed-56, elastic-64, elastic-64 with direct reads
+#   qwen3     Qwen3-30B-A3B at 40 GiB (weights do not fit): fixed-56, elastic-64, elastic-64 with direct reads (POLICIES)
 #   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz: `mkdir -p .triton-cache && tar -xzf FILE -C
 #             .triton-cache` here, then carry .triton-cache so later calls skip the compiles
 #   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
@@ -172,7 +172,8 @@ qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40
   # NOTE: PCIe-bound (a step copies or reads several GB of host experts): each run stops at 120 s and records the
   # part that ran (truncated_at_s); use a short stream such as .bench/stream-100-r10.jsonl
   local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB BENCH_FLAGS="--time-limit-s ${TIME_LIMIT_S:-120} ${BENCH_FLAGS:-}"
-  policies "qwen3-40g-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" fixed56 elastic64 elastic64-direct
+  # shellcheck disable=SC2086
+  policies "qwen3-40g-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" ${POLICIES:-fixed56 elastic64 elastic64-direct}
 }
 
 shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjuster issue

@@ -185,3 +185,16 @@ def test_a_pool_too_small_for_max_model_len_lowers_it_or_refuses(family, caplog)
         LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget, max_model_len=256)
     engine = LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget).engine
     assert engine.config.max_model_len == 48 and "max_model_len lowered from 512" in caplog.text
+
+
+@pytest.mark.parametrize("shortfall_pages", [3, 4])  # a whole expert short, and a whole one and a page
+def test_elastic_starts_when_the_experts_do_not_fit(family, shortfall_pages):
+    """The start-up placement offloads the coldest experts until the rest fits with a KV page to spare: the CUDA
+    graphs' padding rows take one at start (an exact fit left none), and the tokens stay Hugging Face's."""
+    folder, prompts, expected = family
+    page = LLM(folder, progress=False, expert_policy="resident").engine.pool.sizes.expert_page_bytes
+    free_gpu_memory()
+    budget = budget_for(folder, kv_tokens=0, offload=2) - shortfall_pages * page
+    engine, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=2, cuda_graphs=True)
+    assert engine.runner.graphs is not None and engine.experts.num_offloaded >= 1
+    assert tokens == expected
