@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from rimuru import LLM
+from rimuru.config import EngineConfig
 from rimuru.decode_graphs import Shape, graph_batch_sizes, graph_limits, mixed_token_sizes
 from tests.engine.conftest import NUM_PROMPTS, free_gpu_memory
 from tests.engine.test_experts import GREEDY, budget_for, run
@@ -50,7 +51,7 @@ def test_padded_graph_path_changes_speed_never_tokens(family, policy):
     options = dict(gpu_memory_budget=budget, expert_policy=policy, expert_offload_limit=3, offload_per_layer=3)
     seen = []
     engine, tokens = run(folder, prompts, prepare=lambda e: seen.append(record_hook_rows(e)), cuda_graphs=True,
-                         **options)  # fmt: skip
+                         mixed_cuda_graphs=False, **options)  # decode graphs only: mixed steps run eagerly
     assert tokens == expected
     assert engine.runner.num_graph_steps > 0
     rows = seen[0]
@@ -288,3 +289,13 @@ def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(famil
     assert tokens == expected[:3]
     with pytest.raises(RuntimeError, match="stream is capturing"):
         LLM(folder, progress=False, cuda_graphs=True)
+
+
+@pytest.mark.parametrize("policy", ["resident", "fixed", "elastic"])
+def test_mixed_graphs_are_on_by_default_only_where_expert_pages_pay_for_them(policy):
+    """Elastic lends expert pages to the larger graph memory pool; resident and fixed would lose KV pages to it."""
+    def resolve(**options):
+        return EngineConfig(model="m", expert_policy=policy, **options).resolve(4096, torch.bfloat16)
+
+    assert resolve().mixed_cuda_graphs == (policy == "elastic")
+    assert resolve(mixed_cuda_graphs=True).mixed_cuda_graphs and not resolve(mixed_cuda_graphs=False).mixed_cuda_graphs
