@@ -224,6 +224,10 @@ def test_cpu_runs_eagerly_unless_asked(family):
     assert not engine.allocator.owns("decode-graphs")
 
 
+# the GPU tests' engines capture 5 decode sizes and 4 mixed token counts, not 35 and 20 (the 10 tests took 7 minutes)
+SMALL_GRAPH_SET = {"max_num_seqs": 16, "max_num_batched_tokens": 256}
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("policy,reads", [("resident", "copy"), ("fixed", "copy"), ("fixed", "direct")])
@@ -233,9 +237,9 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
     folder, prompts, _ = family
     prompts = prompts[:8]
     assert NUM_PROMPTS >= 8
-    options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3)
+    options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3, **SMALL_GRAPH_SET)
     if policy == "fixed":
-        options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3) + 2**30
+        options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3, **SMALL_GRAPH_SET) + 2**30
     outputs = {}
     for graphs, expert_reads in ((False, "copy"), (True, reads), (False, reads)):
         llm = None
@@ -258,9 +262,9 @@ def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy):
     """Every step, prefills included, replays captured graphs and gives the eager engine's tokens (fp32; the padded
     token counts may pick other MoE tiles than eager, which fp32 absorbs)."""
     folder, prompts, _ = family
-    options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3)
+    options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3, **SMALL_GRAPH_SET)
     if policy == "fixed":
-        options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3) + 2**30
+        options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3, **SMALL_GRAPH_SET) + 2**30
     outputs = {}
     for mixed in (False, True):
         llm = None

@@ -34,9 +34,10 @@ def test_nomination_follows_the_ranking_and_the_limit():
     assert adjuster.adjust(8, 0, {0: set(), 1: set()}).evict == [(1, 0), (0, 3), (1, 1)]
 
 
-def budget_for(folder: str, kv_tokens: int, offload: int) -> int:
-    """Room for two loading buffers of `offload` experts, every expert, and KV for `kv_tokens` tokens a layer."""
-    engine = LLM(folder, progress=False, expert_policy="resident").engine
+def budget_for(folder: str, kv_tokens: int, offload: int, **options) -> int:
+    """Room for two loading buffers of `offload` experts, every expert, and KV for `kv_tokens` tokens a layer, with
+    the activation reserve of an engine of `options`."""
+    engine = LLM(folder, progress=False, expert_policy="resident", **options).engine
     plan, sizes, config = engine.memory_plan, engine.pool.sizes, engine.model_config
     expert_pages = engine.experts.num_expert_pages + 2 * offload * 3
     kv_pages = -(-kv_tokens // sizes.page_tokens) * config.num_hidden_layers
