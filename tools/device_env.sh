@@ -4,6 +4,9 @@ rm -rf /tmp/pkg && mkdir -p /tmp/pkg/rimuru
 cp -r rimuru/. /tmp/pkg/rimuru/
 for sub in ops models serving; do ln -s "$PWD/$sub" "/tmp/pkg/rimuru/$sub"; done
 export PYTHONPATH=/tmp/pkg:$PWD PYTHONUNBUFFERED=1
-# Triton's compiled kernels in the repository (git-ignored): carry `.triton-cache` into a device call and the
-# kernels compiled by an earlier call load instead of compiling again (`device_session.sh cache` returns them)
+# Triton's compiled kernels from an earlier call load instead of compiling again: `device_session.sh cache` returns
+# them as triton-cache.tar.gz; put that file in `.bench` (carried; the unpacked cache outgrew the 64 MiB carry limit)
 export TRITON_CACHE_DIR=${TRITON_CACHE_DIR:-$PWD/.triton-cache}
+if [ -f .bench/triton-cache.tar.gz ]; then
+  mkdir -p "$TRITON_CACHE_DIR" && tar -xzf .bench/triton-cache.tar.gz -C "$TRITON_CACHE_DIR"
+fi

@@ -28,8 +28,8 @@
 #   direct    tools/bench_direct_reads.py (the MoE op reading host experts in place against copying them), then
 #             fixed-8 and elastic-8 with --expert-reads direct at $RATE; $OUT/direct-r$RATE.tar.gz
 #   qwen3     Qwen3-30B-A3B at 40 GiB (weights do not fit): fixed-56, elastic-64, elastic-64 with direct reads (POLICIES)
-#   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz: `mkdir -p .triton-cache && tar -xzf FILE -C
-#             .triton-cache` here, then carry .triton-cache so later calls skip the compiles
+#   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz: copy it to .bench/ here (tools/device_env.sh
+#             unpacks it on the device), so later calls skip the compiles
 #   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
 #             (tools/shift_stream.py, dummy weights with --router-regimes 2, ranking profiled on the first half):
 #             fixed-8, elastic-8 and cost-8 (whose swaps follow the shift); $OUT/shift-r$RATE.tar.gz
