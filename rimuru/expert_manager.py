@@ -178,17 +178,15 @@ class ExpertManager:
         self.count_routing(layer, hidden, topk_ids)
         for key in [k for k in self.pending_add if k[0] == layer]:
             self._publish(*key)
-        row = self.working_tables[layer]  # [E, 3]
-        row.copy_(self.store.page_tables[layer])
         next_layer = self.next_layer.get(layer) if self.predict else None
         if next_layer is not None and not self.store.offloaded[next_layer]:
             next_layer = None  # nothing of the next layer to prefetch
-        prefetch = None
+        prefetch, routed = None, set()
         if self.store.offloaded[layer] or next_layer is not None:  # with nothing on the host, no host sync
             routed, votes = self._routing_on_host(hidden, topk_ids, next_layer)
-            self._load_routed(layer, routed & self.store.offloaded[layer], row)
             if next_layer is not None:
                 prefetch = self._prefetch_later(next_layer, votes)
+        self._load_routed(layer, routed & self.store.offloaded[layer], self.working_tables[layer])
         self.stats.hook_seconds += time.perf_counter() - start
         return prefetch
 
@@ -196,17 +194,21 @@ class ExpertManager:
                          next_layer: int | None) -> tuple[set[int], list[int]]:  # fmt: skip
         """The experts routed here, and each expert's votes for `next_layer` (its router applied to this layer's
         input, the Fate idea), fetched in one device-to-host copy: the hook's only wait for the GPU."""
-        counts = [_expert_counts(topk_ids, self.store.num_experts)]  # [E]
-        if next_layer is not None:
+        num_experts, ids = self.store.num_experts, topk_ids.flatten()
+        if next_layer is not None:  # the votes count as experts E .. 2E - 1
             logits = hidden.float() @ self.routers[next_layer].float().T  # [T, E]
-            counts.append(_expert_counts(torch.topk(logits, self.top_k, dim=-1).indices, self.store.num_experts))
+            ids = torch.cat([ids, torch.topk(logits, self.top_k, dim=-1).indices.flatten() + num_experts])
+        counts = _expert_counts(ids, 2 * num_experts if next_layer is not None else num_experts)
         wait = time.perf_counter()
-        host = torch.stack(counts).tolist()  # waits for the router
+        host = counts.tolist()  # waits for the router
         self.stats.routing_wait_seconds += time.perf_counter() - wait
-        return {e for e, n in enumerate(host[0]) if n}, host[-1]
+        return {e for e, n in enumerate(host[:num_experts]) if n}, host[-num_experts:]
 
     def _load_routed(self, layer: int, on_host: set[int], row: torch.Tensor) -> None:
+        """Copy in the routed host experts that no prefetch brought, then write the layer's working table `row`:
+        the store's table with these experts pointing at their loading-buffer slots, in one copy from the host."""
         if not on_host:
+            row.copy_(self.store.page_tables[layer])
             return
         buffer = self.buffers[self.ordinal[layer] % 2]
         if buffer.layer != layer:
@@ -223,9 +225,10 @@ class ExpertManager:
         self.copier.copy_many(misses, side_stream=False)
         self.stats.prefetch_hits += len(hits)
         self.stats.prefetch_misses += len(misses)
+        table = self.store.host_tables[layer].clone()  # [E, 3]
         experts = sorted(on_host)
-        pages = [buffer.slots[buffer.experts[e]] for e in experts]  # [n, 3]
-        row[_on_device(experts, torch.int64, row.device)] = _on_device(pages, torch.int32, row.device)
+        table[experts] = torch.tensor([buffer.slots[buffer.experts[e]] for e in experts], dtype=torch.int32)
+        _write_from_host(row, table)
 
     def _prefetch_later(self, layer: int, votes: list[int]) -> Callable[[], None]:
         """The prefetch of `layer` (`_prefetch`), to run later; its copies wait for what is queued now, which
@@ -254,15 +257,13 @@ class ExpertManager:
         self.stats.prefetched += len(predicted)
 
 
-def _on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """`values` as a tensor on `device`, copied from pinned memory without waiting: a pageable copy would make the
-    host wait for everything queued on the stream, the miss copies included."""
-    if device.type != "cuda":
-        return torch.tensor(values, dtype=dtype)
-    return torch.tensor(values, dtype=dtype, pin_memory=True).to(device, non_blocking=True)
+def _write_from_host(row: torch.Tensor, table: torch.Tensor) -> None:
+    """`row.copy_(table)` of a host tensor, from pinned memory without waiting on a GPU: a pageable copy would make
+    the host wait for everything queued on the stream, the miss copies included."""
+    row.copy_(table.pin_memory() if row.is_cuda else table, non_blocking=row.is_cuda)
 
 
-def _expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:  # topk_ids [T, K] -> [E] int64
+def _expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:  # ids [T, K] or [N] -> [E] int64
     """Tokens routed to each expert, on the device (`torch.bincount` would wait for the GPU to size its output;
     int64 as in `ExpertPopularity.record`, whose index_add_ has run on the H200)."""
     ids = topk_ids.flatten()

@@ -2,8 +2,9 @@
 
 The master copy of every expert stays in host memory (`ExpertWeights`, pinned on GPU machines) and is never copied
 back: evicting an expert only frees its three pages. `page_tables[l, e]` holds the (gate, up, down) page ids of a
-resident expert, or -1 when it is on the host. Mutated only by the engine thread, between and inside steps as the
-`ExpertManager` orders.
+resident expert, or -1 when it is on the host, on the pool's device; `host_tables` is its copy in host memory,
+which the routing hook reads without waiting for the device. Mutated only by the engine thread, between and inside
+steps as the `ExpertManager` orders.
 """
 
 import torch
@@ -23,6 +24,7 @@ class ExpertStore:
         self.num_experts = next(iter(experts.values())).gate.shape[0] if experts else 0
         # [L, E, 3] page ids of (gate, up, down); -1 where the expert is on the host or the layer is dense
         self.page_tables = torch.full((num_layers, max(self.num_experts, 1), 3), -1, dtype=torch.int32, device=pool.device)
+        self.host_tables = torch.full_like(self.page_tables, -1, device="cpu")  # the same, for the host to read
         self.offloaded: dict[int, set[int]] = {layer: set(range(self.num_experts)) for layer in self.layer_ids}
 
     @property
@@ -57,12 +59,14 @@ class ExpertStore:
 
     def publish(self, layer: int, expert: int, page_ids: list[int]) -> None:
         """Point the page table at an expert's pages. NOTE: only once its copy has finished (or is ordered before)."""
-        self.page_tables[layer, expert] = torch.tensor(page_ids, dtype=torch.int32)
+        self.host_tables[layer, expert] = torch.tensor(page_ids, dtype=torch.int32)
+        self.page_tables[layer, expert] = self.host_tables[layer, expert]
         self.offloaded[layer].discard(expert)
 
     def evict(self, layer: int, expert: int) -> None:
         """Clear the table entry and free the pages. NOTE: only after the last pass that may read them."""
         self.page_tables[layer, expert] = -1
+        self.host_tables[layer, expert] = -1
         self.allocator.free((layer, expert))
         self.offloaded[layer].add(expert)
 

@@ -54,6 +54,7 @@ def run(folder, prompts, prepare=None, **options):
         prepare(llm.engine)
     tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
     llm.engine.allocator.check_integrity()
+    assert torch.equal(llm.engine.experts.host_tables, llm.engine.experts.page_tables.cpu())  # the hook's host copy
     return llm.engine, tokens
 
 
