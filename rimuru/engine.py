@@ -5,6 +5,7 @@ per-request bookkeeping around it (tokenising, stop conditions). Front ends (`LL
 `add_request`, `abort`, `step` and `has_unfinished`.
 """
 
+import gc
 import json
 from dataclasses import replace
 import logging
@@ -68,6 +69,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.peak_running = 0  # most requests running at once so far
+        self.closed = False
 
     def _fit_max_model_len(self, requested: int | None) -> None:
         """Make sure one sequence of max_model_len tokens fits the pool (once the adjuster evicted all it may), so a
@@ -164,6 +166,7 @@ class Engine:
 
     def add_request(self, request_id: str, prompt: str | list[int], params: SamplingParams) -> list[Request]:
         """Queue a prompt; returns its `params.n` sequences. ValueError for a prompt that cannot be served."""
+        self._check_open()
         if request_id in self.requests:
             raise ValueError(f"request id {request_id!r} is already in use")
         token_ids, max_tokens = self.validate(prompt, params)
@@ -199,12 +202,37 @@ class Engine:
             self.scheduler.finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return not self.closed and self.scheduler.has_unfinished()
+
+    # ---- closing -----------------------------------------------------------------------------------------------
+
+    # what holds the pool, the graphs' memory, the weights and the pinned host experts
+    _HOLDERS = ("runner", "scheduler", "kv_cache", "expert_manager", "adjuster", "experts", "allocator", "pool",
+                "loaded")
+
+    def close(self) -> None:
+        """Give the GPU memory (pool, CUDA graphs, weights) and the pinned host experts back now, unfinished requests
+        dropped; any later request or step raises RuntimeError. Without it they go only when the garbage collector
+        finds the engine's reference cycles. Closing twice does nothing."""
+        if self.closed:
+            return
+        self.closed = True
+        self.requests.clear()
+        for name in self._HOLDERS:
+            setattr(self, name, None)
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+    def _check_open(self) -> None:
+        if self.closed:
+            raise RuntimeError("the engine is closed")
 
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
         """One scheduling round; returns the requests that got a token or finished (finished ones are forgotten)."""
+        self._check_open()
         batch = self.scheduler.schedule()
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
         self.expert_manager.begin_step(self._adjust(batch.kv_shortfall_pages))

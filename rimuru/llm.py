@@ -1,5 +1,7 @@
 """`LLM`: the offline API, vLLM's shape: `LLM(model, ...).generate(prompts, sampling_params)`."""
 
+from typing import Self
+
 from tqdm.auto import tqdm
 
 from rimuru.config import EngineConfig
@@ -18,6 +20,17 @@ class LLM:
     @property
     def tokenizer(self):
         return self.engine.tokenizer
+
+    def close(self) -> None:
+        """Give the engine's GPU and pinned host memory back now (`Engine.close`); `with LLM(...) as llm:` does it
+        on leaving the block."""
+        self.engine.close()
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def generate(
         self,

@@ -88,6 +88,7 @@ def _bench(args: argparse.Namespace) -> None:
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, "pool_bytes": engine.pool.num_bytes,
                "kv_pages_per_expert_page": engine.pool.sizes.kv_pages_per_expert_page}  # fmt: skip
+    engine.close()  # the next run of a sweep in this process gets the memory
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1, default=str)
     summary = {k: v for k, v in record.items() if k not in ("series", "engine")}

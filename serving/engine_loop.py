@@ -88,6 +88,7 @@ class EngineLoop:
             except Exception:
                 logger.exception("engine loop round failed")
                 time.sleep(0.01)
+        self.engine.close()  # on this thread, the only one that touches the engine
 
     def _round(self) -> None:
         self._drain(block=not self.engine.has_unfinished())

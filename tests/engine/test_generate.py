@@ -4,6 +4,10 @@ Memory policy and budget change speed, never tokens: chunked prefill, a pool sma
 a roomy pool all give Hugging Face's tokens.
 """
 
+import weakref
+
+import pytest
+
 from rimuru import LLM, SamplingParams
 from tests.engine.conftest import MAX_TOKENS
 
@@ -72,3 +76,21 @@ def test_abort_frees_pages(family):
     assert engine.allocator.stats()["kv_used_pages"] > 0
     engine.abort("a")
     assert not engine.has_unfinished() and engine.allocator.stats()["free_bytes"] == free_before
+
+
+@pytest.mark.parametrize("policy", ["resident", "elastic"])
+def test_close_gives_the_memory_back_and_refuses_more_work(family, policy):
+    """After `close` nothing holds the pool or the weights (the engine's reference cycles included), and a new
+    request or step says the engine is closed; `with LLM(...)` closes on leaving."""
+    folder, prompts, expected = family
+    with LLM(folder, progress=False, expert_policy=policy, cuda_graphs=True) as llm:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts[:2], GREEDY, use_tqdm=False)]
+        held = [weakref.ref(llm.engine.pool.data), weakref.ref(llm.engine.loaded.model)]
+    assert tokens == expected[:2]
+    assert [ref() for ref in held] == [None, None]
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        llm.generate(prompts[:1], GREEDY, use_tqdm=False)
+    with pytest.raises(RuntimeError, match="the engine is closed"):
+        llm.engine.step()
+    assert not llm.engine.has_unfinished()
+    llm.close()  # a second close does nothing
