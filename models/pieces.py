@@ -2,7 +2,7 @@
 
 The pause is where the expert manager works (copy routed experts in, prefetch the next layer's) before the expert
 kernel reads the page table; the hook may hand back work that can wait until the next piece is queued.
-`run_pieces` drives a pass eagerly, calling the context's `on_routing` hook at each pause; `rimuru.decode_graphs`
+`run_pieces` drives a pass eagerly, calling the context's `on_routing` hook at each pause; `rimuru.step_graphs`
 captures each piece between two pauses as a CUDA graph and runs the hook between replays. Either way the model code
 is the same, so the two paths compute the same tokens.
 

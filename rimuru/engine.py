@@ -17,7 +17,6 @@ import torch
 from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds
-from rimuru.decode_graphs import capture_decode_graphs, graph_limits, graphs_wanted
 from rimuru.expert_manager import ExpertManager
 from rimuru.expert_placement import check_budget, initial_offload
 from rimuru.expert_ranking import find_ranking
@@ -33,6 +32,7 @@ from rimuru.request import Request
 from rimuru.sampler import Sampler
 from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
+from rimuru.step_graphs import capture_step_graphs, graph_limits, graphs_wanted
 from rimuru.stop import StopChecker
 
 logger = logging.getLogger("rimuru")
@@ -54,9 +54,9 @@ class Engine:
         device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
         self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
                                        config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
-        graphs = capture_decode_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
-                                       self.kv_cache.device_tables, config.max_num_seqs, config.cuda_graphs,
-                                       config.progress, self._mixed_graph_tokens)  # fmt: skip
+        graphs = capture_step_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
+                                     self.kv_cache.device_tables, config.max_num_seqs, config.cuda_graphs,
+                                     config.progress, self._mixed_graph_tokens)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)

@@ -21,7 +21,7 @@ take the batch for a decode one):
     position  | the request's                                 | 0, 1, .. page-1, 0, 1, ..                       |
 
 The pass's first piece gathers the requests' KV page tables and the tokens' slot mappings from the KV cache's
-device tables, so a step copies no tables. Does not own capture or replay (`rimuru.decode_graphs`).
+device tables, so a step copies no tables. Does not own capture or replay (`rimuru.step_graphs`).
 """
 
 from typing import NamedTuple

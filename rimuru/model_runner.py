@@ -2,7 +2,7 @@
 
 Builds the step's rows on the host; an eager pass then gathers the KV page tables and slot mappings from the KV
 cache's host tables (a few vectorised gathers, no per-layer Python loops) and moves everything to the device, while
-a step that the `DecodeGraphs` hold (decode-only, or mixed with `mixed_cuda_graphs`) copies only its rows into their
+a step that the `StepGraphs` hold (decode-only, or mixed with `mixed_cuda_graphs`) copies only its rows into their
 static buffers: the graphs gather the page tables from the KV cache's device copy themselves.
 """
 
@@ -10,11 +10,11 @@ from dataclasses import dataclass
 
 import torch
 
-from rimuru.decode_graphs import DecodeGraphs
 from rimuru.expert_manager import ExpertManager
 from rimuru.kv_cache import KVCacheManager
 from rimuru.models import ForwardContext, QwenMoeForCausalLM
 from rimuru.scheduler import ScheduledBatch
+from rimuru.step_graphs import StepGraphs
 
 
 @dataclass
@@ -37,7 +37,7 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: QwenMoeForCausalLM, kv_cache: KVCacheManager, kv_view: torch.Tensor,
-                 experts: ExpertManager, graphs: DecodeGraphs | None = None):  # fmt: skip
+                 experts: ExpertManager, graphs: StepGraphs | None = None):  # fmt: skip
         self.model, self.kv_cache, self.kv_view, self.experts = model, kv_cache, kv_view, experts
         self.graphs = graphs
         self.device = kv_view.device

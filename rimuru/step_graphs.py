@@ -1,10 +1,10 @@
-"""`DecodeGraphs`: forward passes replayed as CUDA graphs, the expert hook running between replays.
+"""`StepGraphs`: forward passes replayed as CUDA graphs, the expert hook running between replays.
 
 Eager decode of 200 requests spends 40 ms a step on the host launching kernels that keep an H200 busy for 14 ms
 (docs/benchmarks/engine.md). Here the pieces of a pass between two MoE routings (`rimuru.models.pieces`) are
 captured once per shape, all in one memory pool: decode shapes for the batch sizes of `batch_sizes`, and with
-`mixed_sizes` (opt-in until measured on a GPU) shapes for steps that mix prefill chunks and decodes, one per padded
-token count. A step writes its rows into the static buffers (`rimuru.graph_inputs`, which also draws the padding
+`mixed_sizes` (the default for elastic, `EngineConfig.mixed_cuda_graphs`) shapes for steps that mix prefill chunks
+and decodes, one per padded token count. A step writes its rows into the static buffers (`rimuru.graph_inputs`, which also draws the padding
 layouts), pads them to the next captured shape and replays the pieces in order; between two pieces it runs the
 routing hook on the real rows exactly as the eager pass does (copies of routed experts, prefetch of the next
 layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook left them. The
@@ -61,22 +61,22 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
     return cuda_graphs if cuda_graphs is not None else device.type == "cuda"
 
 
-def capture_decode_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
-                          max_num_seqs: int, cuda_graphs: bool | None, progress: bool,
-                          mixed_tokens: int = 0):  # fmt: skip
-    """The engine's decode graphs, captured, with their scratch KV page reserved from `allocator` for good; with
+def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
+                        max_num_seqs: int, cuda_graphs: bool | None, progress: bool,
+                        mixed_tokens: int = 0):  # fmt: skip
+    """The engine's step graphs (decode steps'), captured, with their scratch KV page reserved from `allocator` for good; with
     `mixed_tokens` (the step's token limit) mixed steps' graphs too. None without `kv_tables` (the KV cache's device
     copy, kept only when graphs are wanted: they gather from it), or when a capture nobody asked for explicitly fails
     (a warning says so; steps run eagerly)."""
     device = pool.device
     if kv_tables is None:
         return None
-    page_ids = allocator.allocate("decode-graphs", 1, KV)
+    page_ids = allocator.allocate("step-graphs", 1, KV)
     if page_ids is None:
         raise ValueError("the pool has no KV page left for the CUDA graphs' padding rows; raise gpu_memory_budget")
     sizes = graph_batch_sizes(max_num_seqs)
     mixed = mixed_token_sizes(mixed_tokens)
-    graphs = DecodeGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
+    graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
                           page_ids[0], sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
                           mixed_sizes=mixed)  # fmt: skip
     start = time.perf_counter()
@@ -87,7 +87,7 @@ def capture_decode_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, k
             raise
         logger.warning("CUDA graph capture failed (%s); every step runs eagerly (--no-cuda-graphs skips the "
                        "attempt)", error)  # fmt: skip
-        allocator.free("decode-graphs")  # the padding rows' scratch page goes back to the pool
+        allocator.free("step-graphs")  # the padding rows' scratch page goes back to the pool
         return None
     if graphs.capture:
         logger.info("captured decode CUDA graphs for %d batch sizes up to %d and %d mixed token counts in %.1f s",
@@ -101,7 +101,7 @@ class _Captured:
     points: list[RoutingPoint]  # what the hook reads after graph i: views of the shared point buffers
 
 
-class DecodeGraphs:
+class StepGraphs:
     def __init__(self, model: QwenMoeForCausalLM, kv_view: torch.Tensor, expert_view: torch.Tensor,
                  expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
                  capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = ()):  # fmt: skip

@@ -1,4 +1,4 @@
-"""Decode steps as CUDA graphs (`rimuru.decode_graphs`): the padded, static-buffer path gives the same tokens as the
+"""Steps as CUDA graphs (`rimuru.step_graphs`): the padded, static-buffer path gives the same tokens as the
 eager one, under every memory policy, and the routing hook never sees a padding row.
 
 On CPU `cuda_graphs=True` runs the very same padded path without capturing; the GPU test captures and replays."""
@@ -8,7 +8,7 @@ import torch
 
 from rimuru import LLM
 from rimuru.config import EngineConfig
-from rimuru.decode_graphs import Shape, graph_batch_sizes, graph_limits, mixed_token_sizes
+from rimuru.step_graphs import Shape, graph_batch_sizes, graph_limits, mixed_token_sizes
 from tests.engine.conftest import NUM_PROMPTS, free_gpu_memory
 from tests.engine.test_experts import GREEDY, budget_for, run
 
@@ -59,13 +59,13 @@ def test_padded_graph_path_changes_speed_never_tokens(family, policy):
     sizes = engine.runner.graphs.batch_sizes
     assert any(batch not in sizes for *_, batch in rows)  # some steps were padded (9 prompts -> a batch of 16)
     assert engine.expert_stats["prefetch_misses"] > 0 and engine.experts.num_offloaded > 0
-    assert engine.allocator.pages_of("decode-graphs", "kv") == [engine.runner.graphs.scratch_page]
+    assert engine.allocator.pages_of("step-graphs", "kv") == [engine.runner.graphs.scratch_page]
 
 
 def test_replays_issue_the_hooks_prefetch_after_queueing_the_next_piece(family):
     """Under captured graphs a hook's returned prefetch runs right after the next replay, before the next hook, so
     the GPU computes while the host issues the copies; nothing is dropped at the end of a pass."""
-    from rimuru.decode_graphs import _Captured
+    from rimuru.step_graphs import _Captured
     from rimuru.model_runner import StepInputs
     from rimuru.models.pieces import RoutingPoint
 
@@ -221,7 +221,7 @@ def test_cpu_runs_eagerly_unless_asked(family):
     folder, prompts, expected = family
     engine, tokens = run(folder, prompts[:2])
     assert engine.runner.graphs is None and engine.runner.num_graph_steps == 0
-    assert not engine.allocator.owns("decode-graphs")
+    assert not engine.allocator.owns("step-graphs")
 
 
 # the GPU tests' engines capture 5 decode sizes and 4 mixed token counts, not 35 and 20 (the 10 tests took 7 minutes)
@@ -277,7 +277,7 @@ def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy):
 
 
 def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(family, monkeypatch, caplog):
-    import rimuru.decode_graphs
+    import rimuru.step_graphs
     import rimuru.engine
 
     folder, prompts, expected = family
@@ -285,11 +285,11 @@ def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(famil
     def broken(self, progress=False):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(rimuru.decode_graphs.DecodeGraphs, "capture_all", broken)
+    monkeypatch.setattr(rimuru.step_graphs.StepGraphs, "capture_all", broken)
     monkeypatch.setattr(rimuru.engine, "graphs_wanted", lambda cuda_graphs, device: True)  # a GPU's default
     engine, tokens = run(folder, prompts[:3])
     assert engine.runner.graphs is None and "every step runs eagerly" in caplog.text
-    assert not engine.allocator.owns("decode-graphs")
+    assert not engine.allocator.owns("step-graphs")
     assert tokens == expected[:3]
     with pytest.raises(RuntimeError, match="stream is capturing"):
         LLM(folder, progress=False, cuda_graphs=True)
