@@ -7,7 +7,8 @@ Target shape (issue 4): batch 64 x 1024-token contexts, Hq 32, Hk 4, Dh 128, 16-
 bf16; bytes = K and V of every context token once + queries and outputs (`bench_kernels.decode_inputs`). The
 device-to-device copy rate is measured in the same run. Stages, each checked against the fp32 reference
 (relative error < 1e-2) before it is timed:
-  1. the general kernel (`paged_attention_triton`, today's decode path) at its default tiles
+  1. the general kernel (`paged_attention_triton` with the decode kernel kept out) at the dispatcher's tiles, and
+     the dispatcher itself (unsplit decode batches run the decode kernel since 40549f2)
   2. the decode kernel at those tiles (128 tokens, 8 warps, 2 stages), each flag alone, then all of them
   3. tiles (BLOCK_N, warps, stages) with PREFETCH_PAGES + EVEN_TILES + HEADS_FASTEST: page ids loaded a tile
      ahead let Triton's pipeliner keep num_stages - 1 K/V tiles in flight (without it K/V stay single-buffered)
@@ -17,8 +18,9 @@ device-to-device copy rate is measured in the same run. Stages, each checked aga
   6. the general kernel's dispatch (split-KV for B = 1 and 8), the same with PREFETCH_PAGES at 3 stages, the two
      best decode variants and the best of stage 5 at other batch sizes and context lengths
 Each row has the compiled kernel's shared memory and registers a thread, and the programs an SM that allows
-(an H200 SM: 228 KB shared memory, 64K registers, 64 warps). Times are medians of CUDA events
-(triton.testing.do_bench, L2 flushed before each run).
+(an H200 SM: 228 KB shared memory, 64K registers, 64 warps). Times are medians of CUDA events over replays of a
+CUDA graph holding one call (triton.testing.do_bench, L2 flushed before each run), so no row counts host time:
+the engine runs decode steps as graphs too. `--eager` times the calls themselves.
 """
 
 import argparse
@@ -29,7 +31,7 @@ import sys
 import torch
 import triton
 
-from bench_kernels import copy_bandwidth, decode_inputs, time_ms
+from bench_kernels import copy_bandwidth, decode_inputs, time_graph_ms, time_ms
 from rimuru.ops import reference
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config
 from rimuru.ops.paged_attention import default_config, paged_attention_triton
@@ -52,16 +54,22 @@ def programs_per_sm(kernel, num_warps):
 class Sweep:
     """One input set, its reference, and the rows timed on it."""
 
-    def __init__(self, batch, context, device, dtype, smoke, copy_tb_per_s):
+    def __init__(self, batch, context, device, dtype, smoke, copy_tb_per_s, graphs=True):
         self.args, self.moved = decode_inputs(batch, context, device, dtype, smoke)
-        self.smoke, self.copy_tb_per_s = smoke, copy_tb_per_s
+        self.smoke, self.copy_tb_per_s, self.graphs = smoke, copy_tb_per_s, graphs and not smoke
         self.num_sms = torch.cuda.get_device_properties(0).multi_processor_count if not smoke else 2
         fp32 = [a.float() if torch.is_tensor(a) and a.is_floating_point() else a for a in self.args]
         self.ref = reference.paged_attention(*fp32)
         self.rows = []
 
     def general(self, name, cfg=None):
-        return self.measure(name, cfg or "default", lambda: (paged_attention_triton(*self.args, config=cfg), None))
+        """The general kernel: `cfg`, else the dispatcher's tiles with the decode kernel kept out."""
+        cfg = cfg or default_config(*self.args[:3], self.args[3].shape[0]) | {"DECODE": None}
+        return self.measure(name, cfg, lambda: (paged_attention_triton(*self.args, config=cfg), None))
+
+    def dispatched(self, name):
+        """Whatever `rimuru::paged_attention` runs for this batch (the engine's decode path)."""
+        return self.measure(name, "dispatcher", lambda: (paged_attention_triton(*self.args), None))
 
     def decode(self, name, cfg):
         query, kv_view, page_table, seq_lens, _, scale = self.args
@@ -82,7 +90,8 @@ class Sweep:
         if not row["rel_err"] < 1e-2:  # NaN fails too
             self.rows.append(row | {"error": "output differs from the reference"})
             return self.rows[-1]
-        row["us"] = 1e3 * time_ms(lambda: run(), self.smoke, warmup=5, rep=20)
+        timed = time_graph_ms if self.graphs else lambda fn: time_ms(fn, self.smoke, warmup=5, rep=20)
+        row["us"] = 1e3 * timed(lambda: run())
         row["tb_per_s"] = self.moved / row["us"] / 1e6
         if self.copy_tb_per_s:
             row["of_copy"] = row["tb_per_s"] / self.copy_tb_per_s
@@ -111,6 +120,7 @@ def fastest(rows):
 def sweep_target(sweep, smoke):
     """Stages 1 to 5 at the target shape; returns the two fastest decode-kernel configs and the fastest general one."""
     sweep.general("general, default tiles")
+    sweep.dispatched("dispatcher (the engine's decode path)")
     base = (16, 4, 1) if smoke else (128, 8, 2)
     sweep.decode("decode, no flags", tile_config(base))
     for flag in ALL_FLAGS:
@@ -134,12 +144,13 @@ def sweep_target(sweep, smoke):
     return [r["config"] for r in decode_rows[:2]] + [r["config"] for r in [fastest(general)] if r]
 
 
-def sweep_shapes(finalists, device, dtype, smoke, copy_tb_per_s):
+def sweep_shapes(finalists, device, dtype, smoke, copy_tb_per_s, graphs):
     """Stage 6: the general kernel's dispatch (split-KV where it splits) against the finalists."""
     rows = []
     for batch, context in [(2, 40)] if smoke else OTHER_SHAPES:
-        sweep = Sweep(batch, context, device, dtype, smoke, copy_tb_per_s)
-        dispatched = default_config(*sweep.args[:3], batch)
+        sweep = Sweep(batch, context, device, dtype, smoke, copy_tb_per_s, graphs)
+        dispatched = default_config(*sweep.args[:3], batch) | {"DECODE": None}
+        sweep.dispatched("dispatcher (the engine's decode path)")
         sweep.general(f"general, dispatcher ({dispatched['NUM_SPLITS']} split(s))")
         sweep.general("general, dispatcher + PREFETCH_PAGES, 3 stages",
                       dispatched | {"PREFETCH_PAGES": True, "num_stages": 3 if not smoke else 2})
@@ -164,19 +175,21 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="decode_sweep.json")
     parser.add_argument("--smoke", action="store_true", help="CPU logic check under TRITON_INTERPRET=1")
+    parser.add_argument("--eager", action="store_true", help="time the calls, not CUDA graph replays of them")
     args = parser.parse_args()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
-    report = {"argv": sys.argv, "torch": torch.__version__, "commit": os.environ.get("RIMURU_COMMIT", "unknown")}
+    report = {"argv": sys.argv, "torch": torch.__version__, "commit": os.environ.get("RIMURU_COMMIT", "unknown"),
+              "timing": "calls" if args.eager else "CUDA graph replays"}
     if not args.smoke:
         report |= {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "copy_tb_per_s": copy_bandwidth()}
         print(f"device-to-device copy: {report['copy_tb_per_s']:.2f} TB/s")
     copy = report.get("copy_tb_per_s")
-    target = Sweep(*((3, 40) if args.smoke else (64, 1024)), device, dtype, args.smoke, copy)
+    target = Sweep(*((3, 40) if args.smoke else (64, 1024)), device, dtype, args.smoke, copy, not args.eager)
     report["finalists"] = sweep_target(target, args.smoke)
     report["target"] = target.rows
     with open(args.out, "w") as f:  # the target's rows survive a time-out in the other shapes
         json.dump(report, f, indent=1)
-    report["shapes"] = sweep_shapes(report["finalists"], device, dtype, args.smoke, copy)
+    report["shapes"] = sweep_shapes(report["finalists"], device, dtype, args.smoke, copy, not args.eager)
     with open(args.out, "w") as f:
         json.dump(report, f, indent=1)
     errors = [r for r in report["target"] + report["shapes"] if "error" in r]
