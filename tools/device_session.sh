@@ -28,6 +28,8 @@
 #   direct    tools/bench_direct_reads.py (the MoE op reading host experts in place against copying them), then
 #             fixed-8 and elastic-8 with --expert-reads direct at $RATE; $OUT/direct-r$RATE.tar.gz
 #   qwen3     Qwen3-30B-A3B at 40 GiB (weights do not fit): fixed-56, elastic-64, elastic-64 with direct reads (POLICIES)
+#   memory    the activation reserve against the peaks of start-up, a 2048-token prefill and a 256-request sampled
+#             decode (tools/measure_memory.py), resident and elastic at $BUDGET; $OUT/memory-<policy>.json (~2 min)
 #   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz: copy it to .bench/ here (tools/device_env.sh
 #             unpacks it on the device), so later calls skip the compiles
 #   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
@@ -181,6 +183,14 @@ shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjus
   vocab=$(python -c "import json; print(json.load(open('$MODEL/config.json'))['vocab_size'])")
   python tools/shift_stream.py "$STREAM" --vocab-size "$vocab" > "$shifted"
   policies "shift-r$RATE" "$shifted" /tmp/ranking-first-half.json "$SKEW_FLAGS --router-regimes 2" fixed8 elastic8 cost8
+}
+
+memory() {  # the activation reserve against measured peaks: resident (decode graphs) and elastic (mixed graphs too)
+  for policy in resident elastic; do
+    echo "-- $policy"
+    timeout 240 python tools/measure_memory.py "$MODEL" "${DUMMY[@]}" --gpu-memory-budget "$BUDGET" \
+      --max-num-batched-tokens 2048 --expert-policy "$policy" --out "$OUT/memory-$policy.json" 2>&1 | tail -6
+  done
 }
 
 cache() {  # last in a call: Triton's compiled kernels, to unpack into .triton-cache here and carry next time

@@ -131,3 +131,19 @@ def test_profile_step_prints_the_hooks_share_of_an_offloaded_step(family, tmp_pa
     profile_step.main()
     printed = capsys.readouterr().out
     assert "decode step, 4 running" in printed and "of it, waiting for the router" in printed
+
+
+def test_measure_memory_runs_every_phase_and_reports_the_plan(family, tmp_path, monkeypatch, capsys):
+    """`tools/measure_memory.py` on the CPU: the three phases run on the tiny model (no CUDA statistics here, so
+    the peaks are None) and the record carries the plan the engine made."""
+    import measure_memory
+
+    out = tmp_path / "memory.json"
+    argv = ["measure_memory.py", family[0], "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--device", "cpu",
+            "--cuda-graphs", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    measure_memory.main()
+    record = json.loads(out.read_text())
+    assert list(record["phases"]) == ["start-up", "prefill", "decode"]
+    assert record["plan"]["pool"] > 0 and record["plan"]["activation_reserve"] > 0
+    assert "plan: budget" in capsys.readouterr().out
