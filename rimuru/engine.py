@@ -2,15 +2,13 @@
 
 `step()` is the whole loop: schedule, run, sample, postprocess. Everything else here is start-up wiring and the
 per-request bookkeeping around it (tokenising, stop conditions). Front ends (`LLM`, the HTTP server) call only
-`add_request`, `abort`, `step` and `has_unfinished`.
+`add_request`, `abort`, `step`, `has_unfinished` and, at the end, `close`.
 """
 
 import gc
-import json
-from dataclasses import replace
 import logging
-import os
 import time
+from dataclasses import replace
 
 import torch
 
@@ -34,6 +32,7 @@ from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
 from rimuru.step_graphs import capture_step_graphs, graph_limits, graphs_wanted
 from rimuru.stop import StopChecker
+from rimuru.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger("rimuru")
 
@@ -64,8 +63,8 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
                                   graphs)  # fmt: skip
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        self.tokenizer = _load_tokenizer(config.tokenizer or folder)
-        self.stop_checker = StopChecker(self.tokenizer, _eos_token_ids(folder, self.model_config))
+        self.tokenizer = load_tokenizer(config.tokenizer or folder)
+        self.stop_checker = StopChecker(self.tokenizer, eos_token_ids(folder, self.model_config))
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.peak_running = 0  # most requests running at once so far
@@ -274,20 +273,3 @@ class Engine:
             self.scheduler.finish(request, reason)
             self.requests.pop(request.request_id, None)
 
-
-def _load_tokenizer(path: str):
-    if not any(os.path.exists(os.path.join(path, f)) for f in ("tokenizer.json", "tokenizer_config.json")):
-        return None
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(path)
-
-
-def _eos_token_ids(folder: str, config: ModelConfig) -> set[int]:
-    """EOS ids of config.json and generation_config.json together (chat models end turns with the latter)."""
-    ids = set(config.eos_token_id)
-    path = os.path.join(folder, "generation_config.json")
-    if os.path.exists(path):
-        eos = json.load(open(path)).get("eos_token_id")
-        ids |= set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
-    return ids
