@@ -8,7 +8,9 @@ and a per-step time series of the pool split and the queues. The stream format i
 """
 
 import json
+import os
 import statistics
+import subprocess
 import time
 
 import torch
@@ -16,6 +18,20 @@ from tqdm.auto import tqdm
 
 from rimuru.engine import Engine
 from rimuru.sampling_params import SamplingParams
+
+
+def source_commit() -> str | None:
+    """The commit a record was made at: $RIMURU_COMMIT (the device session sets it), else the checkout's HEAD, else
+    None (an installed package outside a checkout)."""
+    if os.environ.get("RIMURU_COMMIT"):
+        return os.environ["RIMURU_COMMIT"]
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
+                              capture_output=True, text=True, timeout=5, check=False)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    commit = done.stdout.strip()
+    return commit if done.returncode == 0 and commit else None
 
 
 def read_stream(path: str, limit: int | None = None) -> list[dict]:

@@ -74,7 +74,7 @@ def _bench(args: argparse.Namespace) -> None:
 
     import torch
 
-    from rimuru.benchmark import read_stream, run_benchmark
+    from rimuru.benchmark import read_stream, run_benchmark, source_commit
     from rimuru.engine import Engine
 
     requests = read_stream(args.stream, args.num_requests)
@@ -86,7 +86,7 @@ def _bench(args: argparse.Namespace) -> None:
     record = run_benchmark(engine, requests, progress=not args.quiet, time_limit_s=args.time_limit_s)
     record |= {"model": args.model, "stream": args.stream, "rate": args.rate, "engine": engine_options(args),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-               "torch": torch.__version__, "pool_bytes": engine.pool.num_bytes,
+               "torch": torch.__version__, "commit": source_commit(), "pool_bytes": engine.pool.num_bytes,
                "kv_pages_per_expert_page": engine.pool.sizes.kv_pages_per_expert_page}  # fmt: skip
     engine.close()  # the next run of a sweep in this process gets the memory
     with open(args.out, "w") as f:

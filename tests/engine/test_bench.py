@@ -6,6 +6,7 @@ import random
 import sys
 from pathlib import Path
 
+from rimuru.benchmark import source_commit
 from rimuru.serving.cli import main
 from tests.engine.test_experts import budget_for
 
@@ -38,6 +39,7 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
         assert main(args) == 0
         records[(policy, rate)] = record = json.loads(out.read_text())
         assert record["output_tokens"] == sum(r["max_tokens"] for r in requests)
+        assert record["commit"] == source_commit()
         assert len(record["series"]) == record["forward_steps"]
         assert record["peak_concurrency"] == max(s["running"] for s in record["series"]) <= 256
         assert 0 < record["ttft_s"]["median"] <= record["ttft_s"]["p99"]
@@ -147,3 +149,14 @@ def test_measure_memory_runs_every_phase_and_reports_the_plan(family, tmp_path, 
     assert list(record["phases"]) == ["start-up", "prefill", "decode"]
     assert record["plan"]["pool"] > 0 and record["plan"]["activation_reserve"] > 0
     assert "plan: budget" in capsys.readouterr().out
+
+
+def test_records_name_their_commit(monkeypatch):
+    """A bench record carries the commit: the device session's $RIMURU_COMMIT, else this checkout's HEAD."""
+    import subprocess
+
+    monkeypatch.setenv("RIMURU_COMMIT", "abc1234")
+    assert source_commit() == "abc1234"
+    monkeypatch.delenv("RIMURU_COMMIT")
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    assert source_commit() == (head or None)
