@@ -45,6 +45,7 @@ def plan_memory(config: ModelConfig, device: torch.device, dtype: torch.dtype, b
     `graph_seqs`: the largest CUDA-graph decode batch and `graph_tokens` the most tokens a graph takes (more than
     `graph_seqs` with mixed steps' graphs): their passes have a memory pool of their own."""
     reserve = activation_bytes(config, dtype, max_tokens, max_seqs)
+    mixed = graph_tokens > graph_seqs  # mixed steps' graphs, the larger reserve
     if graph_seqs:
         graph_tokens = max(graph_tokens, graph_seqs)
         reserve += activation_bytes(config, dtype, graph_tokens, graph_seqs)
@@ -57,7 +58,7 @@ def plan_memory(config: ModelConfig, device: torch.device, dtype: torch.dtype, b
             raise ValueError(
                 f"gpu_memory_budget {budget / 2**30:.2f} GiB cannot hold the non-expert weights "
                 f"({weights_bytes / 2**30:.2f} GiB) and the activation reserve ({reserve / 2**30:.2f} GiB); "
-                f"lower max_num_batched_tokens or raise the budget"
+                f"lower max_num_batched_tokens{', set mixed_cuda_graphs=False' if mixed else ''} or raise the budget"
             )
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

@@ -116,6 +116,10 @@ def test_mixed_graphs_reserve_their_larger_passes_from_the_budget(family):
     grown = activation_bytes(config, dtype, 2048, 256) - activation_bytes(config, dtype, 256, 256)
     grown += graph_point_bytes(config, dtype, 2048) - graph_point_bytes(config, dtype, 256)
     assert plan(256) == plan(0) and plan(256) - plan(2048) == grown > 0
+    weights = 2**30 + plan(2048) + 1  # the budget then holds the decode graphs' reserve, not the mixed graphs'
+    with pytest.raises(ValueError, match="lower max_num_batched_tokens, set mixed_cuda_graphs=False or raise"):
+        plan_memory(config, cuda, dtype, 2**34, weights, 2**32, 8192, 256, 256, 2048)
+    assert plan_memory(config, cuda, dtype, 2**34, weights, 2**32, 8192, 256, 256, 256).pool_bytes > 0
 
 
 def record_shapes(engine) -> list[tuple[Shape, int, int]]:
