@@ -113,7 +113,7 @@ def test_mixed_graphs_reserve_their_larger_passes_from_the_budget(family):
 
     config, cuda, dtype = ModelConfig.from_hf(family[0]), torch.device("cuda"), torch.bfloat16  # budget: no query
     plan = lambda tokens: plan_memory(config, cuda, dtype, 2**34, 2**30, 2**32, 8192, 256, 256, tokens).pool_bytes
-    grown = activation_bytes(config, dtype, 2048, 256) - activation_bytes(config, dtype, 256, 256)
+    grown = activation_bytes(config, dtype, 2048, 256, 1) - activation_bytes(config, dtype, 256, 256, 1)
     grown += graph_point_bytes(config, dtype, 2048) - graph_point_bytes(config, dtype, 256)
     assert plan(256) == plan(0) and plan(256) - plan(2048) == grown > 0
     weights = 2**30 + plan(2048) + 1  # the budget then holds the decode graphs' reserve, not the mixed graphs'
