@@ -261,14 +261,18 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("policy", ["resident", "fixed"])
+@pytest.mark.parametrize("policy", ["resident", "fixed", "elastic"])
 def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy):
     """Every step, prefills included, replays captured graphs and gives the eager engine's tokens (fp32; the padded
-    token counts may pick other MoE tiles than eager, which fp32 absorbs)."""
+    token counts may pick other MoE tiles than eager, which fp32 absorbs); elastic on a budget that evicts."""
     folder, prompts, _ = family
-    options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3, **SMALL_GRAPH_SET)
+    options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3,
+                   expert_offload_limit=3, **SMALL_GRAPH_SET)  # fmt: skip
     if policy == "fixed":
         options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3, **SMALL_GRAPH_SET) + 2**30
+    if policy == "elastic":  # the plan of the mixed-graph engine, KV for 60 tokens: evictions under the graphs
+        options["gpu_memory_budget"] = budget_for(folder, kv_tokens=60, offload=3, device="cuda", dtype=torch.float32,
+                                                  mixed_cuda_graphs=True, **SMALL_GRAPH_SET)  # fmt: skip
     outputs = {}
     for mixed in (False, True):
         llm = None
@@ -277,6 +281,8 @@ def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy):
         outputs[mixed] = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         engine = llm.engine
         assert (engine.runner.num_graph_steps == engine.num_steps) == mixed
+        if policy == "elastic" and mixed:
+            assert engine.expert_stats["evictions"] > 0
     assert outputs[True] == outputs[False]
 
 
