@@ -196,7 +196,9 @@ class ExpertManager:
         input, the Fate idea), fetched in one device-to-host copy: the hook's only wait for the GPU."""
         num_experts, ids = self.store.num_experts, topk_ids.flatten()
         if next_layer is not None:  # the votes count as experts E .. 2E - 1
-            logits = hidden.float() @ self.routers[next_layer].float().T  # [T, E]
+            # NOTE: in the model's dtype (the router itself runs in fp32): a vote only orders prefetches, and two
+            # conversions a layer less is host time off the step
+            logits = hidden @ self.routers[next_layer].T  # [T, E]
             ids = torch.cat([ids, torch.topk(logits, self.top_k, dim=-1).indices.flatten() + num_experts])
         counts = _expert_counts(ids, 2 * num_experts if next_layer is not None else num_experts)
         wait = time.perf_counter()
