@@ -35,7 +35,9 @@ class EngineConfig:
     router_skew: float = 0.0  # dummy weights only: see rimuru.models.dummy
     router_regimes: int = 1  # dummy weights with a skew: vocabulary parts routed by their own rankings
     max_num_seqs: int = 256  # requests in one batch
-    max_num_batched_tokens: int = 8192  # tokens in one forward pass (prefill chunks + decodes)
+    # tokens in one forward pass (prefill chunks + decodes); 2048: mixed steps' CUDA graphs cover every step, and
+    # the activation reserve (a quarter of 8192's: 1 GB more KV for Qwen1.5-MoE) goes to the pool
+    max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     page_tokens: int = DEFAULT_PAGE_TOKENS
     tokenizer: str | None = None  # None: the checkpoint folder

@@ -25,7 +25,8 @@ def test_tokens_never_depend_on_memory_settings(family, policy, adjuster, kv_tok
     options = dict(expert_policy=policy, adjuster=adjuster, max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs,
                    prefetch=prefetch, expert_offload_limit=offload, offload_per_layer=offload,
                    max_model_len=64)  # fmt: skip  (every prompt + output fits; the pool must hold one such sequence)
-    budget = budget_for(folder, kv_tokens=kv_tokens, offload=offload if policy != "resident" else 0)
+    budget = budget_for(folder, kv_tokens=kv_tokens, offload=offload if policy != "resident" else 0,
+                        max_num_batched_tokens=chunk, max_num_seqs=max_num_seqs)  # the same activation reserve
     llm = LLM(folder, progress=False, gpu_memory_budget=budget, **options)
     chosen = [prompts[i] for i in order]
     outputs = llm.generate(chosen, GREEDY, use_tqdm=False)
