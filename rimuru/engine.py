@@ -30,7 +30,7 @@ from rimuru.request import Request
 from rimuru.sampler import Sampler
 from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
-from rimuru.step_graphs import capture_step_graphs, graph_limits, graphs_wanted
+from rimuru.step_graphs import capture_step_graphs, graph_limits, graphs_wanted, reserve_scratch_page
 from rimuru.stop import StopChecker
 from rimuru.tokenizer import eos_token_ids, load_tokenizer
 
@@ -49,13 +49,14 @@ class Engine:
         self.model_config = self.loaded.config
         wants_graphs = graphs_wanted(config.cuda_graphs, self.device)
         self._build_pool(wants_graphs)
+        scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
         self._place_experts(folder)
         device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
         self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
                                        config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
         graphs = capture_step_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
-                                     self.kv_cache.device_tables, config.max_num_seqs, config.cuda_graphs,
-                                     config.progress, self._mixed_graph_tokens)  # fmt: skip
+                                     self.kv_cache.device_tables, scratch_page, config.max_num_seqs,
+                                     config.cuda_graphs, config.progress, self._mixed_graph_tokens)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)

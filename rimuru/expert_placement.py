@@ -2,8 +2,7 @@
 
 - resident: none (refuses to start when the experts do not fit, saying by how much);
 - fixed: the coldest `offload_per_layer` of every layer, for good;
-- elastic: none if everything fits with a page to spare, else the adjuster's coldest nominees until the rest does
-  (the spare page is the CUDA graphs' padding rows' KV page, or the first request's).
+- elastic: none if everything fits, else the adjuster's coldest nominees until the rest fits.
 """
 
 import logging
@@ -13,7 +12,6 @@ from rimuru.expert_store import ExpertStore
 from rimuru.memory import PAGES_PER_EXPERT
 
 logger = logging.getLogger("rimuru")
-KV_PAGES_KEPT = 1  # expert-sized pages an elastic start leaves to KV when the experts do not all fit
 
 
 def initial_offload(policy: str, count: int, store: ExpertStore, adjuster: Adjuster) -> dict[int, set[int]]:
@@ -23,7 +21,7 @@ def initial_offload(policy: str, count: int, store: ExpertStore, adjuster: Adjus
         for layer in store.layer_ids:
             offload[layer] = set(adjuster.ranking.hottest_first(layer)[store.num_experts - count :])
     elif policy == "elastic":
-        short = store.num_expert_pages + KV_PAGES_KEPT - store.allocator.num_free_expert_pages
+        short = store.num_expert_pages - store.allocator.num_free_expert_pages
         if short > 0:
             for layer, expert in adjuster.nominate_evictions(-(-short // PAGES_PER_EXPERT), offload):
                 offload[layer].add(expert)

@@ -31,6 +31,7 @@ from rimuru.models.pieces import Pieces, RoutingPoint, run_pieces
 MAX_GRAPH_BATCH = 512
 MAX_MIXED_TOKENS = 2048  # larger prefill steps are compute-bound: they run eagerly
 logger = logging.getLogger("rimuru")
+SCRATCH_OWNER = "step-graphs"  # the allocator owner of the padding rows' KV page
 
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
@@ -61,24 +62,30 @@ def graphs_wanted(cuda_graphs: bool | None, device: torch.device) -> bool:
     return cuda_graphs if cuda_graphs is not None else device.type == "cuda"
 
 
+def reserve_scratch_page(allocator) -> int:
+    """The graphs' padding rows' KV page, taken before any expert is placed (an elastic start whose experts do not
+    fit would otherwise fill the pool to the last page); ValueError when the pool has none."""
+    page_ids = allocator.allocate(SCRATCH_OWNER, 1, KV)
+    if page_ids is None:
+        raise ValueError("the pool has no KV page left for the CUDA graphs' padding rows; raise gpu_memory_budget")
+    return page_ids[0]
+
+
 def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
-                        max_num_seqs: int, cuda_graphs: bool | None, progress: bool,
+                        scratch_page: int, max_num_seqs: int, cuda_graphs: bool | None, progress: bool,
                         mixed_tokens: int = 0):  # fmt: skip
-    """The engine's step graphs (decode steps'), captured, with their scratch KV page reserved from `allocator` for good; with
-    `mixed_tokens` (the step's token limit) mixed steps' graphs too. None without `kv_tables` (the KV cache's device
-    copy, kept only when graphs are wanted: they gather from it), or when a capture nobody asked for explicitly fails
-    (a warning says so; steps run eagerly)."""
+    """The engine's step graphs, captured: decode steps', and with `mixed_tokens` (the step's token limit) mixed
+    steps' too; their padding rows use `scratch_page` (`reserve_scratch_page`). None without `kv_tables` (the KV
+    cache's device copy, kept only when graphs are wanted: they gather from it), or when a capture nobody asked for
+    explicitly fails (a warning says so, the scratch page goes back to the pool and steps run eagerly)."""
     device = pool.device
     if kv_tables is None:
         return None
-    page_ids = allocator.allocate("step-graphs", 1, KV)
-    if page_ids is None:
-        raise ValueError("the pool has no KV page left for the CUDA graphs' padding rows; raise gpu_memory_budget")
     sizes = graph_batch_sizes(max_num_seqs)
     mixed = mixed_token_sizes(mixed_tokens)
     graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
-                          page_ids[0], sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
-                          mixed_sizes=mixed)  # fmt: skip
+                        scratch_page, sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
+                        mixed_sizes=mixed)  # fmt: skip
     start = time.perf_counter()
     try:
         graphs.capture_all(progress)
@@ -87,7 +94,7 @@ def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_
             raise
         logger.warning("CUDA graph capture failed (%s); every step runs eagerly (--no-cuda-graphs skips the "
                        "attempt)", error)  # fmt: skip
-        allocator.free("step-graphs")  # the padding rows' scratch page goes back to the pool
+        allocator.free(SCRATCH_OWNER)  # the padding rows' scratch page goes back to the pool
         return None
     if graphs.capture:
         logger.info("captured decode CUDA graphs for %d batch sizes up to %d and %d mixed token counts in %.1f s",
