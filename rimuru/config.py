@@ -35,8 +35,8 @@ class EngineConfig:
     router_skew: float = 0.0  # dummy weights only: see rimuru.models.dummy
     router_regimes: int = 1  # dummy weights with a skew: vocabulary parts routed by their own rankings
     max_num_seqs: int = 256  # requests in one batch
-    # tokens in one forward pass (prefill chunks + decodes); 2048: mixed steps' CUDA graphs cover every step, and
-    # the activation reserve (a quarter of 8192's: 1 GB more KV for Qwen1.5-MoE) goes to the pool
+    # tokens in one forward pass (prefill chunks + decodes); 2048, as in every paper-scenario run: mixed steps' CUDA
+    # graphs cover every step, and the plan's activation reserve is 912 MiB smaller than at 8192 for Qwen1.5-MoE
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     page_tokens: int = DEFAULT_PAGE_TOKENS
