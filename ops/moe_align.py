@@ -4,8 +4,8 @@ Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises wit
 it. On CUDA two Triton launches (per-chunk expert counts, then a scatter that recomputes the prefix it needs; past
 SCATTER_PROGRAMS chunks a scatter program takes a run of consecutive chunks, so the count table is read fewer times),
 or for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one program that does all of it:
-11-16 us for up to 4096 pairs (10.7-15.9 us in one program up to 128) on an H200 against 200-500 us for the torch path's ~25 small launches (eager, host
-bound; docs/benchmarks/kernels.json). The torch path (argsort, cumsum, scatter) serves CPU. Both give the same
+11-16 us for up to 4096 pairs on an H200 (10.7-15.9 us in one program up to 128) against 200-500 us for the torch
+path's ~25 small launches (eager, host bound; docs/benchmarks/kernels.json and kernels-breakdown.json). The torch path (argsort, cumsum, scatter) serves CPU. Both give the same
 layout, which the interpreter tests check. Does not own the GEMMs (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
@@ -149,7 +149,8 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     ids = topk_ids.contiguous()
-    if num_chunks <= ONE_PROGRAM_CHUNKS if one_program is None else one_program:
+    use_one_program = num_chunks <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
+    if use_one_program:
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, block_expert, num_padded, num_pairs, num_experts, max_rows, block_expert.numel(),
             BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=CHUNK, num_warps=8,
