@@ -5,8 +5,9 @@ it. On CUDA two Triton launches (per-chunk expert counts, then a scatter that re
 SCATTER_PROGRAMS chunks a scatter program takes a run of consecutive chunks, so the count table is read fewer times),
 or for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one program that does all of it:
 11-16 us for up to 4096 pairs on an H200 (10.7-15.9 us in one program up to 128) against 200-500 us for the torch
-path's ~25 small launches (eager, host bound; docs/benchmarks/kernels.json and kernels-breakdown.json). The torch path (argsort, cumsum, scatter) serves CPU. Both give the same
-layout, which the interpreter tests check. Does not own the GEMMs (`rimuru.ops.paged_moe`).
+path's ~25 small launches (eager, host bound; docs/benchmarks/kernels.json and kernels-breakdown.json). The torch
+path (argsort, cumsum, scatter) serves CPU. Both give the same layout, which the interpreter tests check. Does not
+own the GEMMs (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
 
