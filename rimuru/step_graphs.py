@@ -4,12 +4,12 @@ Eager decode of 200 requests spends 40 ms a step on the host launching kernels t
 (docs/benchmarks/engine.md). Here the pieces of a pass between two MoE routings (`rimuru.models.pieces`) are
 captured once per shape, all in one memory pool: decode shapes for the batch sizes of `batch_sizes`, and with
 `mixed_sizes` (the default for elastic, `EngineConfig.mixed_cuda_graphs`) shapes for steps that mix prefill chunks
-and decodes, one per padded token count. A step writes its rows into the static buffers (`rimuru.graph_inputs`, which also draws the padding
-layouts), pads them to the next captured shape and replays the pieces in order; between two pieces it runs the
-routing hook on the real rows exactly as the eager pass does (copies of routed experts, prefetch of the next
-layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook left them. The
-prefetch the hook hands back is issued after the next piece is queued, so the host issues its copies while the
-GPU computes.
+and decodes, one per padded token count. A step writes its rows into the static buffers (`rimuru.graph_inputs`,
+which also draws the padding layouts), pads them to the next captured shape and replays the pieces in order; between
+two pieces it runs the routing hook on the real rows exactly as the eager pass does (copies of routed experts,
+prefetch of the next layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook
+left them. The prefetch the hook hands back is issued after the next piece is queued, so the host issues its copies
+while the GPU computes.
 
 Batches above the largest shape run eagerly. Without `capture` (CPU, where there are no CUDA graphs) `run` executes
 the pieces eagerly over the same static, padded buffers: the tests use that to check the padding and the hook on
