@@ -46,9 +46,9 @@ DUMMY=()
 
 gputests() {
   # -P and --import-mode=append: the repository's own `rimuru/` folder must not shadow the package in /tmp/pkg
-  python -P -m pytest -q -p no:cacheprovider --import-mode=append -m gpu ${GPUTESTS:-tests/ops tests/models tests/engine} \
+  python -P -m pytest -q -p no:cacheprovider --import-mode=append --durations=15 -m gpu ${GPUTESTS:-tests/ops tests/models tests/engine} \
     > "$OUT/gputests.log" 2>&1
-  tail -15 "$OUT/gputests.log"
+  tail -32 "$OUT/gputests.log"
 }
 
 breakdown() {
