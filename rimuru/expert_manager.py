@@ -75,6 +75,10 @@ class ExpertManager:
         self.ordinal = {layer: i for i, layer in enumerate(self.moe_layers)}
         self.buffers = [self._reserve_buffer(i, buffer_experts) for i in range(2)] if buffer_experts else []
         self.working_tables = store.page_tables.clone()  # [L, E, 3] what the kernels read this pass
+        # per layer, the store's table version its working row equals; None while the row points at loading buffers
+        self._row_versions: list[int | None] = list(store.versions)
+        self._counts = torch.zeros(2 * store.num_experts, dtype=torch.int64, device=store.page_tables.device)
+        self._ones = torch.ones(0, dtype=torch.int64, device=store.page_tables.device)  # grown to the largest batch
         self.pending_add: dict[tuple[int, int], tuple[list[int], object]] = {}  # (layer, expert) -> (pages, event)
         self.pending_evict: list[tuple[int, int]] = []
         self.pending_swap: list[tuple[int, int, int]] = []
@@ -108,6 +112,7 @@ class ExpertManager:
             return self.working_tables, self.on_routing
         if fixed_tables:
             self.working_tables.copy_(self.store.page_tables)
+            self._row_versions = list(self.store.versions)
             return self.working_tables, self.counting_hook
         return self.store.page_tables, self.counting_hook
 
@@ -193,32 +198,45 @@ class ExpertManager:
     def _routing_on_host(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          next_layer: int | None) -> tuple[set[int], list[int]]:  # fmt: skip
         """The experts routed here, and each expert's votes for `next_layer` (its router applied to this layer's
-        input, the Fate idea), fetched in one device-to-host copy: the hook's only wait for the GPU."""
+        input, the Fate idea), fetched in one device-to-host copy: the hook's only wait for the GPU. The counts go
+        into one persistent [2E] buffer (routed, then votes): four kernels and the copy a layer."""
         num_experts, ids = self.store.num_experts, topk_ids.flatten()
-        if next_layer is not None:  # the votes count as experts E .. 2E - 1
+        counts = self._counts
+        counts.zero_()
+        counts[:num_experts].index_add_(0, ids, self._ones_for(ids.numel()))
+        if next_layer is not None:
             # NOTE: in the model's dtype (the router itself runs in fp32): a vote only orders prefetches, and two
             # conversions a layer less is host time off the step
-            logits = hidden @ self.routers[next_layer].T  # [T, E]
-            ids = torch.cat([ids, torch.topk(logits, self.top_k, dim=-1).indices.flatten() + num_experts])
-        counts = _expert_counts(ids, 2 * num_experts if next_layer is not None else num_experts)
+            votes = torch.topk(hidden @ self.routers[next_layer].T, self.top_k, dim=-1).indices.flatten()  # [T K]
+            counts[num_experts:].index_add_(0, votes, self._ones_for(votes.numel()))
         wait = time.perf_counter()
         host = counts.tolist()  # waits for the router
         self.stats.routing_wait_seconds += time.perf_counter() - wait
-        return {e for e, n in enumerate(host[:num_experts]) if n}, host[-num_experts:]
+        return {e for e, n in enumerate(host[:num_experts]) if n}, host[num_experts:]
+
+    def _ones_for(self, n: int) -> torch.Tensor:
+        """n ones (int64) on the device, a view of one buffer grown to the largest batch seen."""
+        if self._ones.numel() < n:
+            self._ones = torch.ones(max(n, 2 * self._ones.numel()), dtype=torch.int64, device=self._ones.device)
+        return self._ones[:n]
 
     def _load_routed(self, layer: int, on_host: set[int], row: torch.Tensor) -> None:
         """Copy in the routed host experts that no prefetch brought, then write the layer's working table `row`:
         the store's table with these experts pointing at their loading-buffer slots, in one copy from the host."""
         if not on_host:
-            row.copy_(self.store.page_tables[layer])
+            if self._row_versions[layer] != self.store.versions[layer]:  # else the row is the store's already
+                row.copy_(self.store.page_tables[layer])
+                self._row_versions[layer] = self.store.versions[layer]
             return
+        self._row_versions[layer] = None  # the row points at loading-buffer slots from here
         buffer = self.buffers[self.ordinal[layer] % 2]
         if buffer.layer != layer:
             buffer.layer, buffer.experts = layer, {}
         self.copier.wait(buffer.ready)
         hits = on_host & buffer.experts.keys()
         buffer.experts = {e: buffer.experts[e] for e in hits}  # NOTE: other slots get overwritten below
-        free_slots = [s for s in range(len(buffer.slots)) if s not in buffer.experts.values()]
+        taken = set(buffer.experts.values())
+        free_slots = [s for s in range(len(buffer.slots)) if s not in taken]
         misses = []
         for expert in sorted(on_host - hits):
             slot = free_slots.pop(0)

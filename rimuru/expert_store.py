@@ -26,6 +26,7 @@ class ExpertStore:
         self.page_tables = torch.full((num_layers, max(self.num_experts, 1), 3), -1, dtype=torch.int32, device=pool.device)
         self.host_tables = torch.full_like(self.page_tables, -1, device="cpu")  # the same, for the host to read
         self.offloaded: dict[int, set[int]] = {layer: set(range(self.num_experts)) for layer in self.layer_ids}
+        self.versions = [0] * num_layers  # per layer, bumped at every change of its table: copies of a row go stale
 
     @property
     def num_expert_pages(self) -> int:
@@ -62,6 +63,7 @@ class ExpertStore:
         self.host_tables[layer, expert] = torch.tensor(page_ids, dtype=torch.int32)
         self.page_tables[layer, expert] = self.host_tables[layer, expert]
         self.offloaded[layer].discard(expert)
+        self.versions[layer] += 1
 
     def evict(self, layer: int, expert: int) -> None:
         """Clear the table entry and free the pages. NOTE: only after the last pass that may read them."""
@@ -69,6 +71,7 @@ class ExpertStore:
         self.host_tables[layer, expert] = -1
         self.allocator.free((layer, expert))
         self.offloaded[layer].add(expert)
+        self.versions[layer] += 1
 
     def pages_of(self, layer: int, expert: int) -> list[int]:
         return self.allocator.pages_of((layer, expert), EXPERT)

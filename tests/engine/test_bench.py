@@ -160,3 +160,19 @@ def test_records_name_their_commit(monkeypatch):
     monkeypatch.delenv("RIMURU_COMMIT")
     head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     assert source_commit() == (head or None)
+
+
+def test_bench_hook_times_every_layer_and_counts_operations(family, tmp_path, monkeypatch, capsys):
+    """`tools/bench_hook.py` on the CPU: the routing hook called on every MoE layer of the tiny model with experts
+    on the host, a row a batch size with its operation count."""
+    import bench_hook
+
+    out = tmp_path / "hook.json"
+    argv = ["bench_hook.py", family[0], "--device", "cpu", "--expert-policy", "fixed", "--offload-per-layer", "2",
+            "--tokens", "1", "4", "--steps", "3", "--out", str(out)]  # fmt: skip
+    monkeypatch.setattr(sys, "argv", argv)
+    bench_hook.main()
+    rows = json.loads(out.read_text())["rows"]
+    assert [row["tokens"] for row in rows] == [1, 4]
+    assert all(row["hook_us"] > 0 and row["operations"] > 0 for row in rows)
+    assert "experts on the host" in capsys.readouterr().out

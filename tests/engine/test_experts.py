@@ -154,6 +154,10 @@ def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adju
                 assert allocator.holder(page, EXPERT) is not None, f"layer {layer} reads page {page}: free or KV"
                 assert page not in copier.pending_pages, f"layer {layer} reads page {page} before its copy"
                 assert torch.equal(store.expert_view[page], matrix.reshape(-1)), f"page {page} holds another expert"
+        in_buffers = sorted(set(topk_ids.unique().tolist()) & store.offloaded[layer])
+        same = torch.ones(store.num_experts, dtype=torch.bool)
+        same[in_buffers] = False  # every other entry of the working row is the store's, never a stale copy
+        assert torch.equal(manager.working_tables[layer][same], store.page_tables[layer][same]), f"layer {layer} stale"
         checked.append(layer)
         return prefetch
 
