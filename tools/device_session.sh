@@ -30,6 +30,7 @@
 #   qwen3     Qwen3-30B-A3B at 40 GiB (weights do not fit): fixed-56, elastic-64, elastic-64 with direct reads (POLICIES)
 #   memory    the activation reserve against the peaks of start-up, a 2048-token prefill and a 256-request sampled
 #             decode (tools/measure_memory.py), resident and elastic at $BUDGET; $OUT/memory-<policy>.json (~2 min)
+#   hook      the routing hook's host time and operations a layer (tools/bench_hook.py): $MODEL fixed-8 at $BUDGET, ~1 min
 #   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz: copy it to .bench/ here (tools/device_env.sh
 #             unpacks it on the device), so later calls skip the compiles
 #   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
@@ -191,6 +192,12 @@ memory() {  # the activation reserve against measured peaks: resident (decode gr
     timeout 240 python tools/measure_memory.py "$MODEL" "${DUMMY[@]}" --gpu-memory-budget "$BUDGET" \
       --max-num-batched-tokens 2048 --expert-policy "$policy" --out "$OUT/memory-$policy.json" 2>&1 | tail -6
   done
+}
+
+hook() {  # no graphs captured: the hook runs outside them anyway
+  # shellcheck disable=SC2086
+  timeout 200 python tools/bench_hook.py "$MODEL" "${DUMMY[@]}" $SKEW_FLAGS --gpu-memory-budget "$BUDGET" \
+    --expert-policy fixed --offload-per-layer 8 --no-cuda-graphs --tokens 1 8 64 256 --out "$OUT/hook.json" 2>&1 | tail -6
 }
 
 cache() {  # last in a call: Triton's compiled kernels, to unpack into .triton-cache here and carry next time
