@@ -56,30 +56,48 @@ class Adjuster:
         return ChangeList(evict=self.nominate_evictions(num_evict, offloaded), add=self.nominate_additions(num_add, offloaded))
 
     def nominate_evictions(self, count: int, offloaded: dict[int, set[int]]) -> list[tuple[int, int]]:
-        """Up to `count` resident experts, coldest nominee first; layers at the offload limit are left out."""
-        order = {layer: self.ranking.hottest_first(layer) for layer in offloaded}
-        kept = {layer: [e for e in order[layer] if e not in offloaded[layer]] for layer in offloaded}
-        budget = {layer: self.offload_limit - len(offloaded[layer]) for layer in offloaded}
-        heap = [(self.ranking.share(layer, kept[layer][-1]), layer) for layer in offloaded if budget[layer] > 0 and kept[layer]]
-        heapq.heapify(heap)
-        chosen = []
-        while heap and len(chosen) < count:
-            _, layer = heapq.heappop(heap)
-            chosen.append((layer, kept[layer].pop()))
-            budget[layer] -= 1
-            if budget[layer] > 0 and kept[layer]:
-                heapq.heappush(heap, (self.ranking.share(layer, kept[layer][-1]), layer))
-        return chosen
+        """Up to `count` resident experts, coldest nominee first; layers at the offload limit are left out. Each
+        layer's ranking is walked from its cold end only as far as needed: a round costs nothing when count is 0."""
+        if count <= 0:
+            return []
+        budget = {layer: self.offload_limit - len(on_host) for layer, on_host in offloaded.items()}
+        kept = {layer: _not_in(reversed(self.ranking.hottest_first(layer)), offloaded[layer])
+                for layer in offloaded if budget[layer] > 0}  # fmt: skip
+        return self._pick(count, kept, budget, lambda share: share)
 
     def nominate_additions(self, count: int, offloaded: dict[int, set[int]]) -> list[tuple[int, int]]:
         """Up to `count` offloaded experts, hottest nominee first."""
-        waiting = {layer: [e for e in self.ranking.hottest_first(layer) if e in offloaded[layer]] for layer in offloaded}
-        heap = [(-self.ranking.share(layer, w[0]), layer) for layer, w in waiting.items() if w]
-        heapq.heapify(heap)
+        if count <= 0:
+            return []
+        waiting = {layer: _in(self.ranking.hottest_first(layer), on_host) for layer, on_host in offloaded.items()}
+        return self._pick(count, waiting, None, lambda share: -share)
+
+    def _pick(self, count: int, nominees: dict, budget: dict[int, int] | None, key) -> list[tuple[int, int]]:
+        """Merge the layers' nominee iterators: each round the nominee with the smallest key(share), ties to the
+        lower layer, until `count` are chosen or the nominees (or a layer's budget) run out."""
+        heap = []
+
+        def push(layer: int) -> None:
+            expert = next(nominees[layer], None)
+            if expert is not None:
+                heapq.heappush(heap, (key(self.ranking.share(layer, expert)), layer, expert))
+
+        for layer in nominees:
+            push(layer)
         chosen = []
         while heap and len(chosen) < count:
-            _, layer = heapq.heappop(heap)
-            chosen.append((layer, waiting[layer].pop(0)))
-            if waiting[layer]:
-                heapq.heappush(heap, (-self.ranking.share(layer, waiting[layer][0]), layer))
+            _, layer, expert = heapq.heappop(heap)
+            chosen.append((layer, expert))
+            if budget is not None:
+                budget[layer] -= 1
+            if budget is None or budget[layer] > 0:
+                push(layer)
         return chosen
+
+
+def _not_in(experts, on_host: set[int]):
+    return (e for e in experts if e not in on_host)
+
+
+def _in(experts, on_host: set[int]):
+    return (e for e in experts if e in on_host)

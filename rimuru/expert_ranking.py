@@ -26,10 +26,13 @@ class ExpertRanking:
     def share(self, layer: int, expert: int) -> float:
         return self.shares[layer][expert]
 
+    def __post_init__(self):
+        order = {layer: tuple(sorted(range(len(s)), key=lambda e, s=s: (-s[e], e))) for layer, s in self.shares.items()}
+        object.__setattr__(self, "_order", order)  # NOTE: sorted once; the adjuster reads it every round
+
     def hottest_first(self, layer: int) -> list[int]:
         """Expert ids of `layer`, hottest first; equal shares keep the lower id first."""
-        shares = self.shares[layer]
-        return sorted(range(len(shares)), key=lambda e: (-shares[e], e))
+        return list(self._order[layer])
 
     def save(self, path: str | os.PathLike) -> None:
         data = {"num_experts": len(next(iter(self.shares.values()))), "layers": {str(k): list(v) for k, v in self.shares.items()}}

@@ -27,6 +27,7 @@ class ExpertPopularity:
         self.counts = prior * prior_routings  # [L, E] decayed routings, on the host
         self.pending = torch.zeros(len(self.layer_ids), num_experts, dtype=torch.int64, device=device)  # [L, E]
         self._probs: dict[int, list[float]] = {}  # layer -> [E] shares, cached between flushes
+        self._order: dict[int, tuple[int, ...]] = {}  # layer -> expert ids hottest first, the same
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count one layer's routing ([T, K] expert ids) on the device. No host sync."""
@@ -38,7 +39,7 @@ class ExpertPopularity:
         copy)."""
         self.counts = self.counts * self.decay**num_steps + self.pending.cpu().double()
         self.pending.zero_()
-        self._probs = {}
+        self._probs, self._order = {}, {}
 
     def share(self, layer: int, expert: int) -> float:
         return self.probabilities(layer)[expert]
@@ -52,6 +53,8 @@ class ExpertPopularity:
         return self._probs[layer]
 
     def hottest_first(self, layer: int) -> list[int]:
-        """Expert ids of `layer`, hottest first; equal shares keep the lower id first."""
-        shares = self.probabilities(layer)
-        return sorted(range(self.num_experts), key=lambda e: (-shares[e], e))
+        """Expert ids of `layer`, hottest first; equal shares keep the lower id first. Cached until `flush`."""
+        if layer not in self._order:
+            shares = self.probabilities(layer)
+            self._order[layer] = tuple(sorted(range(self.num_experts), key=lambda e: (-shares[e], e)))
+        return list(self._order[layer])

@@ -5,6 +5,8 @@ from dataclasses import replace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rimuru import LLM, SamplingParams
 from rimuru.adjuster import Adjuster, plan_adjustment
@@ -22,6 +24,44 @@ GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 )
 def test_plan_adjustment_on_the_papers_numbers(short, free, expected):
     assert plan_adjustment(short, free) == expected
+
+
+def nominate_one_at_a_time(ranking, limit, count, offloaded, evict):
+    """The nomination rule spelled out: `count` times, every layer that may still give (evict: under the limit,
+    with a resident expert; add: with a host expert) offers its coldest resident or hottest host expert, and the
+    coldest offer (hottest, to add) wins, ties to the lower layer."""
+    on_host, chosen = {layer: set(experts) for layer, experts in offloaded.items()}, []
+    for _ in range(count):
+        offers = []
+        for layer, experts in on_host.items():
+            order = ranking.hottest_first(layer)
+            candidates = [e for e in order if (e in experts) != evict]
+            if candidates and (not evict or len(experts) < limit):
+                expert = candidates[-1] if evict else candidates[0]
+                share = ranking.share(layer, expert)
+                offers.append((share if evict else -share, layer, expert))
+        if not offers:
+            break
+        _, layer, expert = min(offers)
+        on_host[layer] ^= {expert}
+        chosen.append((layer, expert))
+    return chosen
+
+
+@given(st.data())
+@settings(max_examples=200, deadline=None)
+def test_nomination_matches_the_rule_spelled_out(data):
+    """`Adjuster.nominate_*` walks each layer's ranking lazily; it must choose what the one-at-a-time rule does."""
+    num_layers, num_experts = data.draw(st.integers(1, 4)), data.draw(st.integers(1, 6))
+    shares = st.lists(st.sampled_from([0.05, 0.1, 0.2, 0.3]), min_size=num_experts, max_size=num_experts)
+    ranking = ExpertRanking({2 * layer: tuple(data.draw(shares)) for layer in range(num_layers)})  # ties included
+    limit = data.draw(st.integers(0, num_experts))
+    host_ids = st.lists(st.integers(0, num_experts - 1), max_size=limit)
+    offloaded = {layer: set(data.draw(host_ids)) for layer in ranking.shares}
+    count = data.draw(st.integers(0, num_layers * num_experts + 1))
+    adjuster = Adjuster(ranking, limit)
+    for evict, nominate in ((True, adjuster.nominate_evictions), (False, adjuster.nominate_additions)):
+        assert nominate(count, offloaded) == nominate_one_at_a_time(ranking, limit, count, offloaded, evict)
 
 
 def test_nomination_follows_the_ranking_and_the_limit():
