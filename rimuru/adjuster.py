@@ -69,7 +69,8 @@ class Adjuster:
         """Up to `count` offloaded experts, hottest nominee first."""
         if count <= 0:
             return []
-        waiting = {layer: _in(self.ranking.hottest_first(layer), on_host) for layer, on_host in offloaded.items()}
+        waiting = {layer: _in(self.ranking.hottest_first(layer), on_host)
+                   for layer, on_host in offloaded.items() if on_host}  # fmt: skip
         return self._pick(count, waiting, None, lambda share: -share)
 
     def _pick(self, count: int, nominees: dict, budget: dict[int, int] | None, key) -> list[tuple[int, int]]:
