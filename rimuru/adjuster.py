@@ -7,6 +7,8 @@ nominates its hottest offloaded expert and the hottest nominee goes first.
 """
 
 import heapq
+import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from rimuru.expert_ranking import ExpertRanking
@@ -56,26 +58,26 @@ class Adjuster:
         return ChangeList(evict=self.nominate_evictions(num_evict, offloaded), add=self.nominate_additions(num_add, offloaded))
 
     def nominate_evictions(self, count: int, offloaded: dict[int, set[int]]) -> list[tuple[int, int]]:
-        """Up to `count` resident experts, coldest nominee first; layers at the offload limit are left out. Each
-        layer's ranking is walked from its cold end only as far as needed: a round costs nothing when count is 0."""
-        if count <= 0:
-            return []
-        budget = {layer: self.offload_limit - len(on_host) for layer, on_host in offloaded.items()}
-        kept = {layer: _not_in(reversed(self.ranking.hottest_first(layer)), offloaded[layer])
-                for layer in offloaded if budget[layer] > 0}  # fmt: skip
-        return self._pick(count, kept, budget, lambda share: share)
+        """Up to `count` resident experts, coldest nominee first; layers at the offload limit are left out."""
+        return list(itertools.islice(self.eviction_order(offloaded), max(count, 0)))
 
     def nominate_additions(self, count: int, offloaded: dict[int, set[int]]) -> list[tuple[int, int]]:
         """Up to `count` offloaded experts, hottest nominee first."""
-        if count <= 0:
-            return []
         waiting = {layer: _in(self.ranking.hottest_first(layer), on_host)
-                   for layer, on_host in offloaded.items() if on_host}  # fmt: skip
-        return self._pick(count, waiting, None, lambda share: -share)
+                   for layer, on_host in offloaded.items() if on_host and count > 0}  # fmt: skip
+        return list(itertools.islice(self._merged(waiting, None, lambda share: -share), max(count, 0)))
 
-    def _pick(self, count: int, nominees: dict, budget: dict[int, int] | None, key) -> list[tuple[int, int]]:
-        """Merge the layers' nominee iterators: each round the nominee with the smallest key(share), ties to the
-        lower layer, until `count` are chosen or the nominees (or a layer's budget) run out."""
+    def eviction_order(self, offloaded: dict[int, set[int]]) -> Iterator[tuple[int, int]]:
+        """Every resident expert the offload limit lets go, coldest nominee first, generated lazily: each layer's
+        ranking is walked from its cold end only as far as the caller reads."""
+        budget = {layer: self.offload_limit - len(on_host) for layer, on_host in offloaded.items()}
+        kept = {layer: _not_in(reversed(self.ranking.hottest_first(layer)), offloaded[layer])
+                for layer in offloaded if budget[layer] > 0}  # fmt: skip
+        return self._merged(kept, budget, lambda share: share)
+
+    def _merged(self, nominees: dict, budget: dict[int, int] | None, key) -> Iterator[tuple[int, int]]:
+        """Merge the layers' nominee iterators: each time the nominee with the smallest key(share), ties to the
+        lower layer, until the nominees (or a layer's budget) run out."""
         heap = []
 
         def push(layer: int) -> None:
@@ -85,15 +87,13 @@ class Adjuster:
 
         for layer in nominees:
             push(layer)
-        chosen = []
-        while heap and len(chosen) < count:
+        while heap:
             _, layer, expert = heapq.heappop(heap)
-            chosen.append((layer, expert))
+            yield layer, expert
             if budget is not None:
                 budget[layer] -= 1
             if budget is None or budget[layer] > 0:
                 push(layer)
-        return chosen
 
 
 def _not_in(experts, on_host: set[int]):
