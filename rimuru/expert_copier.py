@@ -16,7 +16,9 @@ import torch
 class ExpertCopier:
     def __init__(self, expert_view: torch.Tensor):
         self.expert_view = expert_view  # [P, F * D]
-        self._pages = expert_view.unbind(0)  # each page's row, made once: a copy indexes no view
+        # each page's row, made on its first copy and kept: a copy indexes no view (not `unbind`, which makes one
+        # tensor a page up front: a tiny model on a whole H200 has 15 million pages, 24 s of start-up)
+        self._pages: dict[int, torch.Tensor] = {}
         self.is_cuda = expert_view.device.type == "cuda"
         self.stream = torch.cuda.Stream(expert_view.device) if self.is_cuda else None
         self.bytes_copied = 0
@@ -75,7 +77,13 @@ class ExpertCopier:
 
     def _copy(self, page_ids: list[int], matrices) -> None:
         for page_id, matrix in zip(page_ids, matrices):
-            self._pages[page_id].copy_(matrix.reshape(-1), non_blocking=True)
+            self._page(page_id).copy_(matrix.reshape(-1), non_blocking=True)
+
+    def _page(self, page_id: int) -> torch.Tensor:
+        page = self._pages.get(page_id)
+        if page is None:
+            page = self._pages[page_id] = self.expert_view[page_id]
+        return page
 
     def wait(self, event) -> None:
         """Make the compute stream wait for a copy (no-op on CPU)."""
