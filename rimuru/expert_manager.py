@@ -180,7 +180,8 @@ class ExpertManager:
         at once (eager passes) or after queueing the next piece (CUDA graphs, so the GPU does not idle while the
         host issues the copies)."""
         start = time.perf_counter()
-        self.count_routing(layer, hidden, topk_ids)
+        for observe in self.observers:
+            observe(layer, hidden, topk_ids)
         for key in [k for k in self.pending_add if k[0] == layer]:
             self._publish(*key)
         next_layer = self.next_layer.get(layer) if self.predict else None
@@ -188,22 +189,27 @@ class ExpertManager:
             next_layer = None  # nothing of the next layer to prefetch
         prefetch, routed = None, set()
         if self.store.offloaded[layer] or next_layer is not None:  # with nothing on the host, no host sync
-            routed, votes = self._routing_on_host(hidden, topk_ids, next_layer)
+            routed, votes = self._routing_on_host(layer, hidden, topk_ids, next_layer)
             if next_layer is not None:
                 prefetch = self._prefetch_later(next_layer, votes)
+        elif self.popularity is not None:
+            self.popularity.record(layer, topk_ids)
         self._load_routed(layer, routed & self.store.offloaded[layer], self.working_tables[layer])
         self.stats.hook_seconds += time.perf_counter() - start
         return prefetch
 
-    def _routing_on_host(self, hidden: torch.Tensor, topk_ids: torch.Tensor,
+    def _routing_on_host(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor,
                          next_layer: int | None) -> tuple[set[int], list[int]]:  # fmt: skip
         """The experts routed here, and each expert's votes for `next_layer` (its router applied to this layer's
         input, the Fate idea), fetched in one device-to-host copy: the hook's only wait for the GPU. The counts go
-        into one persistent [2E] buffer (routed, then votes): four kernels and the copy a layer."""
+        into one persistent [2E] buffer (routed, then votes): five kernels and the copy a layer, one more that adds
+        the routed counts to the online popularity when there is one."""
         num_experts, ids = self.store.num_experts, topk_ids.flatten()
         counts = self._counts
         counts.zero_()
         counts[:num_experts].index_add_(0, ids, self._ones_for(ids.numel()))
+        if self.popularity is not None:
+            self.popularity.record_counts(layer, counts[:num_experts])
         if next_layer is not None:
             # NOTE: in the model's dtype (the router itself runs in fp32): a vote only orders prefetches, and two
             # conversions a layer less is host time off the step

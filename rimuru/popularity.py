@@ -34,6 +34,11 @@ class ExpertPopularity:
         ids = topk_ids.flatten()  # [T K]
         self.pending[self.row[layer]].index_add_(0, ids, torch.ones_like(ids, dtype=self.pending.dtype))
 
+    def record_counts(self, layer: int, counts: torch.Tensor) -> None:
+        """Count one layer's routing given as per-expert counts ([E] int64 on the device, e.g. the routing hook's).
+        No host sync."""
+        self.pending[self.row[layer]] += counts
+
     def flush(self, num_steps: int = 1) -> None:
         """Decay the counts by `num_steps` steps and add what was recorded since the last flush (one device -> host
         copy)."""

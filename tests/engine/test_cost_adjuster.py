@@ -132,6 +132,36 @@ def test_cost_adjuster_changes_speed_never_tokens(family):
     assert tokens == expected and resident.expert_stats["offloaded_experts"] == 0
 
 
+def test_online_popularity_counts_every_routing_the_hook_sees(family):
+    """Under the cost rule the routing hook adds its routed counts to the online popularity (with experts on the
+    host) or records the ids (without): either way every routing is counted once, as an observer sees it."""
+    folder, prompts, expected = family
+    seen, flushed = {}, []
+
+    def prepare(engine):
+        popularity = engine.adjuster.popularity
+        flush = popularity.flush
+
+        def counting_flush(num_steps=1):
+            flushed.append(popularity.pending.clone())
+            flush(num_steps)
+
+        popularity.flush = counting_flush
+        engine.expert_manager.observers.append(
+            lambda layer, hidden, ids: seen.__setitem__(layer, seen.get(layer, 0) + torch.bincount(ids.flatten(),
+                                                         minlength=popularity.num_experts)))  # fmt: skip
+        prepare.popularity = popularity
+
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    engine, tokens = run(folder, prompts, prepare=prepare, adjuster="cost", gpu_memory_budget=budget,
+                         expert_offload_limit=3)  # fmt: skip
+    popularity = prepare.popularity
+    counted = sum(flushed) + popularity.pending
+    assert tokens == expected and engine.expert_stats["offloaded_experts"] > 0
+    for layer, row in popularity.row.items():
+        assert torch.equal(counted[row], seen[layer]), f"layer {layer}"
+
+
 def test_plan_swaps_by_hand():
     host = {0: {5: 0.30, 6: 0.15}, 1: {2: 0.05}}
     resident = {0: {0: 0.40, 1: 0.10, 2: 0.05}, 1: {0: 0.5, 1: 0.45}}
