@@ -79,6 +79,10 @@ class ExpertManager:
         self._row_versions: list[int | None] = list(store.versions)
         self._counts = torch.zeros(2 * store.num_experts, dtype=torch.int64, device=store.page_tables.device)
         self._ones = torch.ones(0, dtype=torch.int64, device=store.page_tables.device)  # grown to the largest batch
+        # a layer's working row written from the host (pinned on a GPU: a pageable copy would make the host wait for
+        # everything queued on the stream, the miss copies included)
+        on_gpu = store.page_tables.is_cuda
+        self._staging = torch.empty(store.host_tables.shape[1:], dtype=torch.int32, pin_memory=on_gpu)  # [E, 3]
         self.pending_add: dict[tuple[int, int], tuple[list[int], object]] = {}  # (layer, expert) -> (pages, event)
         self.pending_evict: list[tuple[int, int]] = []
         self.pending_swap: list[tuple[int, int, int]] = []
@@ -251,10 +255,13 @@ class ExpertManager:
         self.copier.copy_many(misses, side_stream=False)
         self.stats.prefetch_hits += len(hits)
         self.stats.prefetch_misses += len(misses)
-        table = self.store.host_tables[layer].clone()  # [E, 3]
+        # NOTE: one staging table serves every layer: its last upload was queued on this stream before this hook's
+        # routing wait (`_routing_on_host` synchronises the stream), so it has landed
+        table = self._staging
+        table.copy_(self.store.host_tables[layer])  # [E, 3]
         experts = sorted(on_host)
         table[experts] = torch.tensor([buffer.slots[buffer.experts[e]] for e in experts], dtype=torch.int32)
-        _write_from_host(row, table)
+        row.copy_(table, non_blocking=row.is_cuda)  # from pinned memory: the host waits for nothing queued
 
     def _prefetch_later(self, layer: int, votes: list[int]) -> Callable[[], None]:
         """The prefetch of `layer` (`_prefetch`), to run later; its copies wait for what is queued now, which
@@ -281,12 +288,6 @@ class ExpertManager:
         copies = [(buffer.slots[slot], host.matrices(expert)) for slot, expert in enumerate(predicted)]
         buffer.ready = self.copier.copy_many(copies, after=last_reader)
         self.stats.prefetched += len(predicted)
-
-
-def _write_from_host(row: torch.Tensor, table: torch.Tensor) -> None:
-    """`row.copy_(table)` of a host tensor, from pinned memory without waiting on a GPU: a pageable copy would make
-    the host wait for everything queued on the stream, the miss copies included."""
-    row.copy_(table.pin_memory() if row.is_cuda else table, non_blocking=row.is_cuda)
 
 
 def _expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:  # ids [T, K] or [N] -> [E] int64
