@@ -8,6 +8,7 @@ Every copy is timed for the cost model (`take_timings`): a pair of CUDA events a
 on CPU.
 """
 
+import contextlib
 import time
 
 import torch
@@ -49,7 +50,8 @@ class ExpertCopier:
             self._done_seconds += time.perf_counter() - start
             return None
         stream = self.stream if side_stream else torch.cuda.current_stream()
-        with torch.cuda.stream(stream):
+        # NOTE: on the compute stream (the miss path) no stream switch: entering one costs host time a layer
+        with torch.cuda.stream(stream) if side_stream else contextlib.nullcontext():
             if after is not None:
                 stream.wait_event(after)
             begin = torch.cuda.Event(enable_timing=True)
@@ -76,8 +78,8 @@ class ExpertCopier:
         return taken
 
     def _copy(self, page_ids: list[int], matrices) -> None:
-        for page_id, matrix in zip(page_ids, matrices):
-            self._page(page_id).copy_(matrix.reshape(-1), non_blocking=True)
+        for page_id, matrix in zip(page_ids, matrices):  # `ExpertStore.host_rows` are rows already
+            self._page(page_id).copy_(matrix if matrix.dim() == 1 else matrix.reshape(-1), non_blocking=True)
 
     def _page(self, page_id: int) -> torch.Tensor:
         page = self._pages.get(page_id)

@@ -143,7 +143,7 @@ class ExpertManager:
             page_ids = self.store.reserve(layer, expert)
             if page_ids is None:
                 break
-            event = self.copier.copy(page_ids, self.store.host[layer].matrices(expert))
+            event = self.copier.copy(page_ids, self.store.host_rows(layer, expert))
             self.pending_add[(layer, expert)] = (page_ids, event)
         self.pending_evict = list(changes.evict)
         self.pending_swap = list(changes.swap)
@@ -166,7 +166,7 @@ class ExpertManager:
         self.store.evict(layer, expert_out)
         page_ids = self.store.reserve(layer, expert_in)  # NOTE: never None: three expert pages were just freed
         last_reader = self.copier.compute_mark()  # the pass that read the evicted expert's pages
-        event = self.copier.copy(page_ids, self.store.host[layer].matrices(expert_in), after=last_reader)
+        event = self.copier.copy(page_ids, self.store.host_rows(layer, expert_in), after=last_reader)
         self.pending_add[(layer, expert_in)] = (page_ids, event)
         self.stats.swaps += 1
 
@@ -250,7 +250,7 @@ class ExpertManager:
         misses = []
         for expert in sorted(on_host - hits):
             slot = free_slots.pop(0)
-            misses.append((buffer.slots[slot], self.store.host[layer].matrices(expert)))
+            misses.append((buffer.slots[slot], self.store.host_rows(layer, expert)))
             buffer.experts[expert] = slot
         self.copier.copy_many(misses, side_stream=False)
         self.stats.prefetch_hits += len(hits)
@@ -284,8 +284,7 @@ class ExpertManager:
         on_host = self.store.offloaded[layer]
         predicted = sorted((e for e in on_host if votes[e]), key=lambda e: (-votes[e], e))[: len(buffer.slots)]
         buffer.layer, buffer.experts = layer, {expert: slot for slot, expert in enumerate(predicted)}
-        host = self.store.host[layer]
-        copies = [(buffer.slots[slot], host.matrices(expert)) for slot, expert in enumerate(predicted)]
+        copies = [(buffer.slots[slot], self.store.host_rows(layer, expert)) for slot, expert in enumerate(predicted)]
         buffer.ready = self.copier.copy_many(copies, after=last_reader)
         self.stats.prefetched += len(predicted)
 

@@ -27,6 +27,7 @@ class ExpertStore:
         self.host_tables = torch.full_like(self.page_tables, -1, device="cpu")  # the same, for the host to read
         self.offloaded: dict[int, set[int]] = {layer: set(range(self.num_experts)) for layer in self.layer_ids}
         self.versions = [0] * num_layers  # per layer, bumped at every change of its table: copies of a row go stale
+        self._host_rows: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> `host_rows`
 
     @property
     def num_expert_pages(self) -> int:
@@ -51,8 +52,16 @@ class ExpertStore:
             )
         for layer, expert in wanted:
             page_ids = self.reserve(layer, expert)
-            self.copier.copy(page_ids, self.host[layer].matrices(expert), side_stream=False)
+            self.copier.copy(page_ids, self.host_rows(layer, expert), side_stream=False)
             self.publish(layer, expert, page_ids)
+
+    def host_rows(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """An expert's (gate, up, down) host matrices as page rows ([F * D] views), made on first use and kept: the
+        routing hook's copies take them without six view operations an expert."""
+        rows = self._host_rows.get((layer, expert))
+        if rows is None:
+            rows = self._host_rows[(layer, expert)] = tuple(m.reshape(-1) for m in self.host[layer].matrices(expert))
+        return rows
 
     def reserve(self, layer: int, expert: int) -> list[int] | None:
         """Three pages for an expert about to be copied in; None when the pool has none."""
