@@ -7,11 +7,17 @@ lower id; the engine warns, since offloading then picks experts blindly.
 File format: {"num_experts": E, "layers": {"<layer index>": [share of expert 0, share of expert 1, ...]}}
 """
 
+import functools
 import json
 import os
 from dataclasses import dataclass
 
 RANKING_FILE = "expert_ranking.json"
+
+
+def hottest_order(shares) -> tuple[int, ...]:
+    """Expert ids by share, highest first; equal shares keep the lower id first."""
+    return tuple(sorted(range(len(shares)), key=lambda e: (-shares[e], e)))
 
 
 @dataclass(frozen=True)
@@ -26,9 +32,9 @@ class ExpertRanking:
     def share(self, layer: int, expert: int) -> float:
         return self.shares[layer][expert]
 
-    def __post_init__(self):
-        order = {layer: tuple(sorted(range(len(s)), key=lambda e, s=s: (-s[e], e))) for layer, s in self.shares.items()}
-        object.__setattr__(self, "_order", order)  # NOTE: sorted once; the adjuster reads it every round
+    @functools.cached_property
+    def _order(self) -> dict[int, tuple[int, ...]]:  # sorted once: the adjuster reads it every round
+        return {layer: hottest_order(shares) for layer, shares in self.shares.items()}
 
     def hottest_first(self, layer: int) -> list[int]:
         """Expert ids of `layer`, hottest first; equal shares keep the lower id first."""

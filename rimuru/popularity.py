@@ -13,7 +13,7 @@ manager calls `record`.
 
 import torch
 
-from rimuru.expert_ranking import ExpertRanking
+from rimuru.expert_ranking import ExpertRanking, hottest_order
 
 
 class ExpertPopularity:
@@ -60,6 +60,5 @@ class ExpertPopularity:
     def hottest_first(self, layer: int) -> list[int]:
         """Expert ids of `layer`, hottest first; equal shares keep the lower id first. Cached until `flush`."""
         if layer not in self._order:
-            shares = self.probabilities(layer)
-            self._order[layer] = tuple(sorted(range(self.num_experts), key=lambda e: (-shares[e], e)))
+            self._order[layer] = hottest_order(self.probabilities(layer))
         return list(self._order[layer])
