@@ -145,7 +145,7 @@ def test_prefetch_predicts_some_experts(family):
 
 def test_the_copier_makes_page_views_only_for_pages_it_copies():
     """A small model on a big card has millions of expert pages; the copier must not make a view of each up front
-    (`unbind` did: 1.6 s and about 200 MB of host memory a million pages, at every start)."""
+    (`unbind` did: 1.6 s and about 600 MB of host memory a million pages on the development CPU, at every start)."""
     view = torch.zeros(1_000_000, 4)
     copier = ExpertCopier(view)
     matrices = [torch.full((2, 2), float(i)) for i in (1, 2, 3)]
