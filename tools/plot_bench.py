@@ -1,5 +1,5 @@
 """PNG plots from `rimuru bench` records: concurrency over time, the pool split over time, the prefetch hit rate
-over time, and throughput / TTFT against request rate, one line per label.
+and the host experts routed a step over time, and throughput / TTFT against request rate, one line per label.
 
     python tools/plot_bench.py OUT_DIR resident=r5.json elastic=e5.json ...   (a label may repeat across rates)
 """
@@ -51,23 +51,39 @@ def plot_pool_split(records, out_dir: str) -> list[str]:
     return paths
 
 
+def _prefetch_windows(record, count: int = 50):
+    """(end time, hits, misses, forward steps) in `count` windows of a run's series (records with host experts;
+    older records lack the counters). Thinned series (`series_stride`) count their stride of steps an entry."""
+    series = [s for s in record["series"] if "prefetch_hits" in s]
+    width, stride = max(1, len(series) // count), record.get("series_stride", 1)
+    for start, end in zip(series[::width], series[width::width]):
+        hits = end["prefetch_hits"] - start["prefetch_hits"]
+        yield end["t"], hits, end["prefetch_misses"] - start["prefetch_misses"], width * stride
+
+
 def plot_hit_rate(records, out_dir: str) -> str:
-    """Prefetch hit rate in windows of 1/50 of each run (records with host experts; older records lack it)."""
+    """Prefetch hit rate in windows of 1/50 of each run."""
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, record in records:
-        series = [s for s in record["series"] if "prefetch_hits" in s]
-        width = max(1, len(series) // 50)
-        points = []
-        for start, end in zip(series[::width], series[width::width]):
-            hits = end["prefetch_hits"] - start["prefetch_hits"]
-            misses = end["prefetch_misses"] - start["prefetch_misses"]
-            if hits + misses:
-                points.append((end["t"], hits / (hits + misses)))
+        points = [(t, hits / (hits + misses)) for t, hits, misses, _ in _prefetch_windows(record) if hits + misses]
         if points:
             ax.plot(*zip(*points), label=f"{label} (rate {record.get('rate')})")
     ax.set(xlabel="seconds", ylabel="prefetch hit rate", title="Routed host experts found prefetched", ylim=(0, 1))
     ax.legend(fontsize=7)
     return _save(fig, out_dir, "hit-rate.png")
+
+
+def plot_host_touches(records, out_dir: str) -> str:
+    """Host experts routed a forward step (prefetch hits + misses), in windows of 1/50 of each run: what an
+    eviction order that follows the traffic drives down (the distribution-shift run)."""
+    fig, ax = plt.subplots(figsize=(8, 4))
+    for label, record in records:
+        points = [(t, (hits + misses) / steps) for t, hits, misses, steps in _prefetch_windows(record)]
+        if points:
+            ax.plot(*zip(*points), label=f"{label} (rate {record.get('rate')})")
+    ax.set(xlabel="seconds", ylabel="host experts routed a step", title="Routed experts that were on the host")
+    ax.legend(fontsize=7)
+    return _save(fig, out_dir, "host-touches.png")
 
 
 def plot_against_rate(records, out_dir: str) -> str:
@@ -104,7 +120,8 @@ def main(argv: list[str] | None = None) -> list[str]:
     os.makedirs(args.out_dir, exist_ok=True)
     records = load(args.records)
     paths = [plot_concurrency(records, args.out_dir), *plot_pool_split(records, args.out_dir)]
-    paths += [plot_hit_rate(records, args.out_dir), plot_against_rate(records, args.out_dir)]
+    paths += [plot_hit_rate(records, args.out_dir), plot_host_touches(records, args.out_dir)]
+    paths.append(plot_against_rate(records, args.out_dir))
     print("\n".join(paths))
     return paths
 

@@ -34,6 +34,7 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
     for policy, rate in [("elastic", "0"), ("elastic", "100"), ("resident", "0")]:
         out = tmp_path / f"{policy}-{rate}.json"
         extra = ["--expert-offload-limit", "3", "--gpu-memory-budget", budget] if policy == "elastic" else []
+        extra += ["--expert-reads", "copy"] if rate == "0" else []  # 100/s: the default, direct reads
         args = ["bench", folder, "--stream", str(tmp_path / "stream.jsonl"), "--rate", rate, "--out", str(out),
                 "--expert-policy", policy, "--quiet", *extra]  # fmt: skip
         assert main(args) == 0
@@ -49,8 +50,9 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
     last = elastic["series"][-1]  # the series counts cumulatively what the record sums up
     hits, misses = last["prefetch_hits"], last["prefetch_misses"]
     assert round(hits / (hits + misses), 4) == elastic["prefetch_hit_rate"]
+    assert records[("elastic", "100")]["prefetch_hit_rate"] is None  # direct reads: nothing prefetched
     paths = plot_bench.main([str(tmp_path / "plots")] + [f"{p}={tmp_path / f'{p}-{r}.json'}" for p, r in records])
-    assert len(paths) == 6 and all(Path(p).stat().st_size > 10_000 for p in paths)
+    assert len(paths) == 7 and all(Path(p).stat().st_size > 10_000 for p in paths)
     text = bench_table.main([f"{p}-{r}={tmp_path / f'{p}-{r}.json'}" for p, r in records])
     lines = text.splitlines()
     assert len(lines) == 2 + len(records) and all(line.count("|") == lines[0].count("|") for line in lines)
