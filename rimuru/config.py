@@ -48,10 +48,12 @@ class EngineConfig:
     ttft_slo: float | None = None  # cost: seconds the oldest waiting request may wait before evicting despite cost
     offload_per_layer: int | None = None  # experts each layer keeps on the host (fixed); None: a quarter of them
     expert_ranking: str | None = None  # path of expert_ranking.json; None: beside the checkpoint, else uniform
-    prefetch: bool = True  # predict the next layer's experts and copy them ahead
-    # a routed expert that is on the host: "copy" it into a loading buffer (the hook waits for the router first) or
-    # let the expert kernel read its pinned host copy over the host link ("direct": no wait, no loading buffers)
-    expert_reads: str = "copy"
+    prefetch: bool = True  # expert_reads="copy": predict the next layer's experts and copy them ahead
+    # a routed expert that is on the host: let the expert kernel read its pinned host copy over the host link
+    # ("direct": no routing hook, no loading buffers) or "copy" it into a loading buffer first (the hook waits for
+    # the router, then copies and prefetches). Direct won every H200 run (docs/benchmarks/paper-scenario.md, ff88579):
+    # elastic 1.06x at 10 requests/s, 1.18x with 200 at once, Qwen3-30B-A3B on 40 GiB 1.23x
+    expert_reads: str = "direct"
     cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: the same path)
     # steps that mix prefill chunks and decodes (up to 2048 tokens) as graph replays too (with cuda_graphs); None: on
     # for elastic, whose pool pays their larger graph memory pool with expert pages (H200, paper scenario at 10/s:

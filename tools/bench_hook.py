@@ -95,6 +95,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="passes over every MoE layer a batch size (>= 3)")
     parser.add_argument("--out", default=None, help="write the rows here as JSON")
     add_engine_arguments(parser)
+    parser.set_defaults(expert_reads="copy")  # the hook runs only when host experts are copied in
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, **engine_options(args)))
     if not engine.expert_manager.is_active:

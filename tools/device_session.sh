@@ -16,7 +16,8 @@
 #   opsgpu    the @pytest.mark.gpu tests of tests/ops only (~2 min)
 #   tunesmall retune the qwen1.5-moe M = 1, 2, 4 tiles into $OUT/NVIDIA_H200.json (a copy; ~3-4 min)
 #   profile   where a decode step of 200 requests spends its time (tools/profile_step.py); PROFILE_FLAGS="--num-requests
-#             64 --gpu-memory-budget 30GiB --expert-policy fixed --offload-per-layer 8" profiles the routing hook
+#             64 --gpu-memory-budget 30GiB --expert-policy fixed --offload-per-layer 8 --expert-reads copy" profiles
+#             the routing hook
 #   throughput  rimuru bench, all experts resident on the whole GPU, the stream all at once (engine.md)
 #   serve     rimuru serve + tools/bench_serve.py at 10 requests/s, TTFT/TPOT/ITL from streamed token ids
 #   scenario  rimuru bench at $BUDGET (30GiB): resident, fixed-8, elastic-8 (paper rule), elastic-8 (cost rule) at $RATE,
@@ -120,13 +121,16 @@ sweep() {
 }
 
 # run_spec NAME: a policy's bench flags from its name: resident, fixedN, elasticN, costN, elastic and cost (the
-# default offload limit), each with any of the suffixes -direct (the kernels read host experts in place) and -mixed
-# (steps with prefill replay CUDA graphs too), e.g. elastic-direct-mixed
+# default offload limit), each with any of the suffixes -copy (host experts copied in: the routing hook and the
+# prefetch; the default since ff88579 is direct reads), -direct (the kernels read host experts in place, as a plain
+# name does now; records before ff88579 copied) and -mixed (steps with prefill replay CUDA graphs too), e.g.
+# elastic-copy-mixed
 run_spec() {
   local name=$1 base=$1 extra="" flags
   while true; do
     case $base in
       *-direct) base=${base%-direct}; extra="$extra --expert-reads direct" ;;
+      *-copy) base=${base%-copy}; extra="$extra --expert-reads copy" ;;
       *-mixed) base=${base%-mixed}; extra="$extra --mixed-cuda-graphs" ;;
       *) break ;;
     esac

@@ -108,12 +108,13 @@ def test_online_popularity_follows_a_shifted_distribution():
 
 
 def cost_run(folder, prompts, bandwidth, **options):
-    """`run` with the cost adjuster, copies pinned at `bandwidth` bytes/s and a second of compute a step."""
+    """`run` with the cost adjuster, copies pinned at `bandwidth` bytes/s and a second of compute a step (host
+    experts copied in unless `options` say expert_reads="direct")."""
     def pin(engine):
         engine.adjuster.cost.pin(bandwidth=bandwidth, compute_s=1.0)
         engine.adjuster.thresholds = replace(engine.adjuster.thresholds, grow_after_rounds=2, readd_after_rounds=4)
 
-    return run(folder, prompts, prepare=pin, adjuster="cost", **options)
+    return run(folder, prompts, prepare=pin, adjuster="cost", **{"expert_reads": "copy", **options})
 
 
 def test_cost_adjuster_changes_speed_never_tokens(family):
@@ -130,6 +131,10 @@ def test_cost_adjuster_changes_speed_never_tokens(family):
     assert tokens == expected
     resident, tokens = run(folder, prompts, expert_policy="resident", adjuster="cost")
     assert tokens == expected and resident.expert_stats["offloaded_experts"] == 0
+    direct, tokens = cost_run(folder, prompts, bandwidth=1e15, gpu_memory_budget=budget, expert_offload_limit=3,
+                              expert_reads="direct")  # fmt: skip
+    assert direct.expert_stats["evictions"] > 0 and direct.expert_stats["direct_reads"] > 0
+    assert tokens == expected
 
 
 def test_online_popularity_counts_every_routing_the_hook_sees(family):
@@ -214,7 +219,8 @@ def test_swaps_change_speed_never_tokens(family):
         engine.adjuster.adjust = adjust_and_swap
 
     budget = budget_for(folder, kv_tokens=60, offload=3)
-    engine, tokens = run(folder, prompts, prepare=force_swaps, gpu_memory_budget=budget, expert_offload_limit=3)
+    engine, tokens = run(folder, prompts, prepare=force_swaps, gpu_memory_budget=budget, expert_offload_limit=3,
+                         expert_reads="copy")  # fmt: skip
     stats = engine.expert_stats
     assert stats["swaps"] > 0 and stats["evictions"] > 0 and stats["prefetch_misses"] > 0
     assert tokens == expected
@@ -234,7 +240,7 @@ def test_after_a_shift_swaps_bring_the_new_favourites_back_and_the_offline_ranki
     from rimuru.profiler import profile_experts
 
     json.dump(tiny_config("qwen3_moe") | {"num_experts": 16}, open(tmp_path / "config.json", "w"))
-    common = dict(load_format="dummy", router_skew=2.0, router_regimes=2, progress=False)
+    common = dict(load_format="dummy", router_skew=2.0, router_regimes=2, progress=False, expert_reads="copy")
     first, second = regime_rows(512, 2)
     rng = random.Random(0)
 

@@ -101,21 +101,24 @@ def run(folder, prompts, prepare=None, **options):
 def test_policies_and_budgets_change_speed_never_tokens(family):
     folder, prompts, expected = family
     budget = budget_for(folder, kv_tokens=60, offload=3)
-    elastic, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3)
+    copy = dict(expert_reads="copy")  # direct reads (the default): test_direct_reads_change_speed_never_tokens
+    elastic, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, **copy)
     stats = elastic.expert_stats
     assert stats["evictions"] > 0 and stats["additions"] > 0 and stats["prefetch_misses"] > 0
     assert tokens == expected
-    fixed, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_policy="fixed", offload_per_layer=3)
+    fixed, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_policy="fixed", offload_per_layer=3, **copy)
     assert fixed.expert_stats["evictions"] == 0 and fixed.experts.num_offloaded > 0
     assert tokens == expected
-    squeezed, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, 24, 1), expert_offload_limit=1)
+    squeezed, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, 24, 1), expert_offload_limit=1,
+                           **copy)  # fmt: skip
     assert squeezed.scheduler.num_preemptions > 0 and squeezed.expert_stats["evictions"] > 0
     assert tokens == expected
 
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])  # True on CPU: the padded graph path, run eagerly
 def test_direct_reads_change_speed_never_tokens(family, cuda_graphs):
-    """expert_reads="direct": routed host experts are read where they are, with no loading buffers and no hook."""
+    """expert_reads="direct" (the default): routed host experts are read where they are, with no loading buffers
+    and no hook."""
     folder, prompts, expected = family
     budget = budget_for(folder, kv_tokens=60, offload=3)
     options = dict(expert_reads="direct", cuda_graphs=cuda_graphs)
@@ -137,7 +140,7 @@ def test_direct_reads_change_speed_never_tokens(family, cuda_graphs):
 def test_prefetch_predicts_some_experts(family):
     folder, prompts, expected = family
     engine, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, 60, 4), expert_policy="fixed",
-                         offload_per_layer=4)  # fmt: skip
+                         offload_per_layer=4, expert_reads="copy")  # fmt: skip
     assert tokens == expected
     if len(engine.experts.layer_ids) > 1:
         assert engine.expert_stats["prefetched"] > 0 and engine.expert_stats["prefetch_hits"] > 0
@@ -182,7 +185,7 @@ class DeferredCopier(ExpertCopier):
 def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adjuster):
     folder, prompts, expected = family
     llm = LLM(folder, progress=False, gpu_memory_budget=budget_for(folder, 60, 3), expert_offload_limit=3,
-              adjuster=adjuster)  # fmt: skip
+              adjuster=adjuster, expert_reads="copy")  # fmt: skip
     engine = llm.engine
     if adjuster == "cost":  # copies free, growth quick, eager swaps: the cost rule evicts, adds and swaps
         engine.adjuster.cost.pin(bandwidth=1e15, compute_s=1.0)
@@ -226,7 +229,7 @@ def test_bad_offload_settings_fail_at_start_with_the_numbers(family):
         LLM(folder, progress=False, expert_offload_limit=9)
     small = budget_for(folder, 0, 0) - 40 * 8192
     with pytest.raises(ValueError, match=r"loading buffers of 2 experts .* GiB needed"):
-        LLM(folder, progress=False, gpu_memory_budget=small, expert_offload_limit=2)
+        LLM(folder, progress=False, gpu_memory_budget=small, expert_offload_limit=2, expert_reads="copy")
 
 
 def test_resident_refuses_a_budget_that_cannot_hold_the_experts(family):

@@ -48,7 +48,8 @@ def record_hook_rows(engine) -> list[tuple[int, int]]:
 def test_padded_graph_path_changes_speed_never_tokens(family, policy):
     folder, prompts, expected = family
     budget = budget_for(folder, kv_tokens=60, offload=3)
-    options = dict(gpu_memory_budget=budget, expert_policy=policy, expert_offload_limit=3, offload_per_layer=3)
+    options = dict(gpu_memory_budget=budget, expert_policy=policy, expert_offload_limit=3, offload_per_layer=3,
+                   expert_reads="copy")  # the hook's path; direct reads run no hook  # fmt: skip
     seen = []
     engine, tokens = run(folder, prompts, prepare=lambda e: seen.append(record_hook_rows(e)), cuda_graphs=True,
                          mixed_cuda_graphs=False, **options)  # decode graphs only: mixed steps run eagerly
@@ -150,7 +151,7 @@ def test_mixed_steps_replay_the_padded_path_and_change_speed_never_tokens(family
     folder, prompts, expected = family
     budget = budget_for(folder, kv_tokens=60, offload=3)
     options = dict(gpu_memory_budget=budget, expert_policy=policy, expert_offload_limit=3, offload_per_layer=3,
-                   cuda_graphs=True, mixed_cuda_graphs=True)  # fmt: skip
+                   cuda_graphs=True, mixed_cuda_graphs=True, expert_reads="copy")  # fmt: skip
     seen = []
     engine, tokens = run(folder, prompts, prepare=lambda e: seen.append(record_shapes(e)), **options)
     assert tokens == expected
@@ -261,13 +262,15 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-@pytest.mark.parametrize("policy", ["resident", "fixed", "elastic"])
-def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy):
+@pytest.mark.parametrize("policy,reads", [("resident", "direct"), ("fixed", "copy"), ("elastic", "copy"),
+                                          ("elastic", "direct")])  # fmt: skip
+def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy, reads):
     """Every step, prefills included, replays captured graphs and gives the eager engine's tokens (fp32; the padded
-    token counts may pick other MoE tiles than eager, which fp32 absorbs); elastic on a budget that evicts."""
+    token counts may pick other MoE tiles than eager, which fp32 absorbs); elastic on a budget that evicts, with
+    host experts copied in and read in place."""
     folder, prompts, _ = family
     options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3,
-                   expert_offload_limit=3, **SMALL_GRAPH_SET)  # fmt: skip
+                   expert_offload_limit=3, expert_reads=reads, **SMALL_GRAPH_SET)  # fmt: skip
     if policy == "fixed":
         options["gpu_memory_budget"] = budget_for(folder, kv_tokens=400, offload=3, **SMALL_GRAPH_SET) + 2**30
     if policy == "elastic":  # the plan of the mixed-graph engine, KV for 60 tokens: evictions under the graphs
