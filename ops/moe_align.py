@@ -131,6 +131,13 @@ def _align_one_program_kernel(
     tl.store(p_num_padded, tl.sum(b_padded, 0))
 
 
+def one_program_chunk(num_pairs: int) -> int:
+    """Pairs the one-program sort takes a pass: the batch's pairs to the next power of two (at least 16, at most
+    CHUNK). Its [chunk, E] one-hot tiles are the kernel's work: at 8 or 64 pairs a 128-row tile is 16x or 2x too
+    big (H200, ff88579: the sort took 15.5 us for 8 pairs with E = 128 against 10.5 with E = 64, the same tile rows)."""
+    return min(CHUNK, max(16, triton.next_power_of_2(num_pairs)))
+
+
 def scatter_chunks_each(num_chunks: int) -> int:
     """Chunks a scatter program takes: one up to SCATTER_PROGRAMS chunks, then enough to keep that many programs
     (each reads the whole [chunks, E] count table: 256 programs x 128 KB at 32768 pairs and E = 128)."""
@@ -154,7 +161,7 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     if use_one_program:
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, block_expert, num_padded, num_pairs, num_experts, max_rows, block_expert.numel(),
-            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=CHUNK, num_warps=8,
+            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=one_program_chunk(num_pairs), num_warps=8,
         )
         return sorted_ids, block_expert, num_padded
     chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)

@@ -197,7 +197,11 @@ def test_align_tokens_layout(num_pairs, num_experts, block_m):
     assert (block_expert[int(num_padded) // block_m:] == num_experts).all()
 
 
-@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES[:5])
+# decode batches whose one-program sort takes a pass of 32 or 64 pairs (`one_program_chunk`), not 128
+SMALL_ALIGN_CASES = [(17, 8, 32), (40, 128, 16), (64, 60, 16)]
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES[:5] + SMALL_ALIGN_CASES)
 @pytest.mark.parametrize("one_program", [False, True])
 def test_align_tokens_either_path(num_pairs, num_experts, block_m, one_program):
     """One program for the whole sort, or count + scatter, whatever the pair count: the torch layout."""
