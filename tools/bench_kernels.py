@@ -58,7 +58,9 @@ def time_ms(fn, smoke=False, warmup=10, rep=40):
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
-def time_graph_ms(fn):
+def time_graph_ms(fn, calls: int = 1):
+    """Median ms of `fn` as a CUDA graph replay: a graph of `calls` back-to-back calls, its time over `calls` (more
+    than one: what a kernel costs inside a step's graph, without the replay's own launch in every figure)."""
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -67,8 +69,9 @@ def time_graph_ms(fn):
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        fn()
-    return time_ms(graph.replay)
+        for _ in range(calls):
+            fn()
+    return time_ms(graph.replay) / calls
 
 
 def expert_pools(shape, device, dtype, seed=0):

@@ -20,7 +20,9 @@ device-to-device copy rate is measured in the same run. Stages, each checked aga
 Each row has the compiled kernel's shared memory and registers a thread, and the programs an SM that allows
 (an H200 SM: 228 KB shared memory, 64K registers, 64 warps). Times are medians of CUDA events over replays of a
 CUDA graph holding one call (triton.testing.do_bench, L2 flushed before each run), so no row counts host time:
-the engine runs decode steps as graphs too. `--eager` times the calls themselves.
+the engine runs decode steps as graphs too. One row of the target shape replays a graph of DENSE_CALLS calls and
+gives a call's share: a one-call replay carries the graph's own launch (4.7 us for an almost empty graph on the
+H200), which a step's graph pays once, not per kernel. `--eager` times the calls themselves.
 """
 
 import argparse
@@ -42,6 +44,7 @@ PIPELINED_TILES = [(128, 8, 3), (128, 4, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4)
 OTHER_SHAPES = [(32, 1024), (128, 1024), (64, 4096), (256, 512), (64, 1000), (8, 4096), (1, 8192)]
 GENERAL_PREFETCH_TILES = [(128, 8, 2), (128, 8, 3), (64, 4, 3), (64, 4, 4), (32, 4, 6)]
 SM_SHARED_BYTES, SM_REGISTERS, SM_WARPS = 228 * 1024, 65536, 64
+DENSE_CALLS = 8  # calls in one graph for the in-graph row of the target shape
 
 
 def programs_per_sm(kernel, num_warps):
@@ -67,17 +70,18 @@ class Sweep:
         cfg = cfg or default_config(*self.args[:3], self.args[3].shape[0]) | {"DECODE": None}
         return self.measure(name, cfg, lambda: (paged_attention_triton(*self.args, config=cfg), None))
 
-    def dispatched(self, name):
-        """Whatever `rimuru::paged_attention` runs for this batch (the engine's decode path)."""
-        return self.measure(name, "dispatcher", lambda: (paged_attention_triton(*self.args), None))
+    def dispatched(self, name, calls=1):
+        """Whatever `rimuru::paged_attention` runs for this batch (the engine's decode path); `calls` a graph."""
+        return self.measure(name, "dispatcher", lambda: (paged_attention_triton(*self.args), None), calls)
 
     def decode(self, name, cfg):
         query, kv_view, page_table, seq_lens, _, scale = self.args
         return self.measure(name, cfg, lambda: decode_attention_triton(query, kv_view, page_table, seq_lens, scale,
                                                                        cfg, self.num_sms))
 
-    def measure(self, name, cfg, run):
-        row = {"name": name, "config": cfg, "batch": self.args[0].shape[0], "context": int(self.args[3][0])}
+    def measure(self, name, cfg, run, calls=1):
+        row = {"name": name, "config": cfg, "batch": self.args[0].shape[0], "context": int(self.args[3][0]),
+               "calls_a_graph": calls}
         try:
             out, kernel = run()
         except Exception as error:  # a tile that does not fit (shared memory, registers) is a row, not a crash
@@ -90,8 +94,10 @@ class Sweep:
         if not row["rel_err"] < 1e-2:  # NaN fails too
             self.rows.append(row | {"error": "output differs from the reference"})
             return self.rows[-1]
-        timed = time_graph_ms if self.graphs else lambda fn: time_ms(fn, self.smoke, warmup=5, rep=20)
-        row["us"] = 1e3 * timed(lambda: run())
+        if self.graphs:
+            row["us"] = 1e3 * time_graph_ms(lambda: run(), calls)
+        else:
+            row["us"] = 1e3 * time_ms(lambda: run(), self.smoke, warmup=5, rep=20)
         row["tb_per_s"] = self.moved / row["us"] / 1e6
         if self.copy_tb_per_s:
             row["of_copy"] = row["tb_per_s"] / self.copy_tb_per_s
@@ -121,6 +127,9 @@ def sweep_target(sweep, smoke):
     """Stages 1 to 5 at the target shape; returns the two fastest decode-kernel configs and the fastest general one."""
     sweep.general("general, default tiles")
     sweep.dispatched("dispatcher (the engine's decode path)")
+    # the same as a step's graph holds it: calls back to back (134 MB of K/V a call, well over the H200's 50 MB L2,
+    # so no call finds the previous one's pages there), a call's share
+    sweep.dispatched(f"dispatcher, {DENSE_CALLS} calls a graph (a call's share)", DENSE_CALLS)
     base = (16, 4, 1) if smoke else (128, 8, 2)
     sweep.decode("decode, no flags", tile_config(base))
     for flag in ALL_FLAGS:
