@@ -15,11 +15,16 @@ Pure functions of measured inputs decide the counts (tested on hand-computed cas
 (`ExpertPopularity`, which also orders nominations), hysteresis (an evicted expert stays out for
 `readd_after_rounds` rounds; the free-rounds streak) and the estimates the engine exposes in `expert_stats`.
 It never touches pages: like `Adjuster`, it returns a `ChangeList` for the `ExpertManager`.
+
+With direct reads (`expert_reads="direct"`) a touched host expert is read over the host link by the expert kernel
+instead of copied, and the model's "copy time" is that read time: the measured side is then the reads the manager
+counted (`reads_in_place`) times an expert's bytes over the link's measured bandwidth, not the copier's timings
+(which see only additions).
 """
 
 import itertools
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
 from rimuru.adjuster import Adjuster, ChangeList
@@ -86,7 +91,7 @@ def plan_swaps(host_shares: dict[int, dict[int, float]], resident_shares: dict[i
 class CostAdjuster:
     def __init__(self, popularity: ExpertPopularity, offload_limit: int, store, top_k: int,
                  thresholds: CostThresholds = CostThresholds(), cost: CostModel | None = None,
-                 refresh_every: int = 8):  # fmt: skip
+                 refresh_every: int = 8, reads_in_place: Callable[[], int] | None = None):  # fmt: skip
         self.popularity, self.offload_limit, self.store, self.top_k = popularity, offload_limit, store, top_k
         self.ranking = popularity  # what `Adjuster` users read
         self.thresholds, self.cost = thresholds, cost or CostModel()
@@ -100,7 +105,9 @@ class CostAdjuster:
         self.free_rounds = 0  # rounds in a row not short and above `grow_above_free`
         self.first_waiting: dict[str, float] = {}  # request id -> when first seen waiting
         self.oldest_wait_s = 0.0
-        self.measured_copy_s: float | None = None  # moving average of copy seconds per step
+        self.measured_copy_s: float | None = None  # moving average of copy (or direct read) seconds per step
+        self.reads_in_place = reads_in_place  # direct reads: (layer, expert) host reads counted so far
+        self._reads_seen = reads_in_place() if reads_in_place else 0
         self.estimates: dict[str, float] = {}
         self.cost.observe_copies(*store.copier.take_timings())  # start-up placement: the first bandwidth sample
         self._affordable = 0
@@ -173,14 +180,28 @@ class CostAdjuster:
             self.cost.observe_step(step_seconds, num_tokens)
         num_bytes, seconds = self.store.copier.take_timings()
         self.cost.observe_copies(num_bytes, seconds)
-        previous, weight = self.measured_copy_s, self.cost.weight
-        self.measured_copy_s = seconds if previous is None else (1 - weight) * previous + weight * seconds
+        if self.reads_in_place is None:
+            self._observe_copy_seconds(seconds)
         self._observe_waiting(waiting)
         self._unflushed += 1
         if self._unflushed >= self.refresh_every or not self.estimates.get("cost_measured"):
+            if self.reads_in_place is not None:
+                self._observe_reads(self._unflushed)
             self.popularity.flush(self._unflushed)
             self._unflushed = 0
             self.refresh()
+
+    def _observe_copy_seconds(self, seconds: float) -> None:
+        previous, weight = self.measured_copy_s, self.cost.weight
+        self.measured_copy_s = seconds if previous is None else (1 - weight) * previous + weight * seconds
+
+    def _observe_reads(self, steps: int) -> None:
+        """Direct reads: the host reads counted over the last `steps` steps, as link seconds a step (one read of an
+        expert's bytes a routed (layer, expert), at the measured bandwidth; reading the count waits for the GPU)."""
+        total = self.reads_in_place()
+        reads, self._reads_seen = total - self._reads_seen, total
+        if self.cost.bandwidth:
+            self._observe_copy_seconds(reads / steps * self.expert_bytes / self.cost.bandwidth)
 
     def _observe_waiting(self, waiting: Sequence) -> None:
         now = time.monotonic()

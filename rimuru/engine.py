@@ -128,7 +128,9 @@ class Engine:
         self.experts.place(initial_offload(cfg.expert_policy, count, self.experts, Adjuster(ranking, count)))
         if is_cost:  # after the placement, whose copies are its first bandwidth sample
             thresholds = CostThresholds(copy_compute_ratio=cfg.copy_compute_ratio, ttft_slo=cfg.ttft_slo)
-            self.adjuster = CostAdjuster(popularity, count, self.experts, mc.num_experts_per_tok, thresholds)
+            reads = self.expert_manager.direct_reads if direct else None
+            self.adjuster = CostAdjuster(popularity, count, self.experts, mc.num_experts_per_tok, thresholds,
+                                         reads_in_place=reads)  # fmt: skip
 
     def _reclaimable_expert_pages(self, stalled: bool | None = None) -> int:
         """Expert pages the adjuster could still free by evicting this round (0 unless elastic). `stalled`: nothing

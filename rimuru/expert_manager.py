@@ -104,9 +104,13 @@ class ExpertManager:
         return not self.direct and bool(self.store.num_offloaded or self.pending_add)
 
     def stats_dict(self) -> dict:
-        """The counters, with `direct_reads`: (layer, expert) reads of a routed host expert in place (counted on the
-        device; reading it waits for the GPU)."""
-        return self.stats.as_dict() | {"direct_reads": int(self._direct_reads)}
+        """The counters, with `direct_reads`."""
+        return self.stats.as_dict() | {"direct_reads": self.direct_reads()}
+
+    def direct_reads(self) -> int:
+        """(layer, expert) reads of a routed host expert in place so far (counted on the device; reading the count
+        waits for the GPU)."""
+        return int(self._direct_reads)
 
     def pass_routing(self, fixed_tables: bool = False) -> tuple[torch.Tensor, Callable | None]:
         """The expert page tables [L, E, 3] the kernels read this pass, and the routing hook to run. With every

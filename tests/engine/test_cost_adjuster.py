@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from rimuru import LLM
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds, affordable_evictions, plan_cost_adjustment, plan_swaps
 from rimuru.cost_model import copy_seconds, kv_pages_freed, touch_probability
 from rimuru.expert_ranking import ExpertRanking
@@ -137,6 +138,24 @@ def test_cost_adjuster_changes_speed_never_tokens(family):
     assert tokens == expected
 
 
+def test_with_direct_reads_the_measured_cost_is_the_reads_counted(family):
+    """Direct reads copy nothing per step: the measured side of the cost model is the host reads the manager counted,
+    an expert's bytes each over the measured bandwidth (3 reads a step of E bytes at 1 GB/s: 3E / 1e9 s)."""
+    folder = family[0]
+    llm = LLM(folder, progress=False, gpu_memory_budget=budget_for(folder, 60, 3), expert_offload_limit=3,
+              adjuster="cost", expert_reads="direct")  # fmt: skip
+    adjuster = llm.engine.adjuster
+    assert adjuster.reads_in_place == llm.engine.expert_manager.direct_reads
+    adjuster.cost.pin(bandwidth=1e9, compute_s=1.0)
+    reads = [adjuster._reads_seen]
+    adjuster.reads_in_place = lambda: reads[0]
+    for _ in range(2 * adjuster.refresh_every):
+        reads[0] += 3
+        adjuster.observe(0.01, 4)
+    expected_ms = 3 * adjuster.expert_bytes / 1e9 * 1e3
+    assert adjuster.estimates["cost_measured_copy_ms"] == pytest.approx(expected_ms)
+
+
 def test_online_popularity_counts_every_routing_the_hook_sees(family):
     """Under the cost rule the routing hook adds its routed counts to the online popularity (with experts on the
     host) or records the ids (without): either way every routing is counted once, as an observer sees it."""
@@ -234,7 +253,6 @@ def test_after_a_shift_swaps_bring_the_new_favourites_back_and_the_offline_ranki
     import json
     import random
 
-    from rimuru import LLM
     from rimuru.models.dummy import regime_rows
     from rimuru.models.fabricate import tiny_config
     from rimuru.profiler import profile_experts
