@@ -5,13 +5,15 @@
 
 Per model shape and M = 1, 8, 64, 1024, 4096 (the same inputs as the main benchmark), each a captured graph of:
   floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
-  align         align_tokens as the op runs it; align_paths: its other paths where they apply (one program for the
-                whole sort up to 8 chunks of pairs, count + scatter, one scatter program a chunk against 64 programs)
+  align         align_tokens as the op runs it (0 at M = 1: one block a pair, no sort); align_paths: its other
+                paths (one program for the whole sort up to 8 chunks of pairs, count + scatter, one scatter program
+                a chunk against 64 programs)
   casts         topk_weights.to(fp32) and page_table.to(int32); 0 and `casts_noop` when both return their input
   gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them
   sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
   op            the whole op as wired by default; op_torch_sum and op_triton_sum: with each top-k sum
-  unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one)
+  unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one;
+                1 * floor at M = 1, where no sort is timed)
 Times are medians of CUDA events around graph replays (triton.testing.do_bench: L2 flushed before each replay, so
 each piece starts cold where in the op its input may still sit in L2). Does not own the main tables
 (`tools/bench_kernels.py`).
@@ -26,7 +28,7 @@ from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton,
                                   scatter_chunks_each)
-from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
+from rimuru.ops.paged_moe import gemm_layout, launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
 
 BREAKDOWN_M = [1, 8, 64, 1024, 4096]
@@ -74,9 +76,12 @@ def time_align(row, ids, shape, cfg, smoke):
     """The op's sort, then the other paths where they apply: one program (up to 8 chunks), count + scatter, and one
     chunk a scatter program (where the default takes several)."""
     num_chunks = -(-ids.numel() // CHUNK)
-    row["align_us"] = time_graph_us(lambda: align_tokens(ids, shape["E"], cfg["BLOCK_M"]), smoke)
-    row["align_path"] = "one program" if num_chunks <= ONE_PROGRAM_CHUNKS else \
-        f"count + scatter, {scatter_chunks_each(num_chunks)} chunk(s) a scatter program"
+    if ids.shape[0] == 1:  # the op runs one block a pair there (`gemm_layout`): no sort
+        row["align_us"], row["align_path"] = 0.0, "pair blocks, no sort"
+    else:
+        row["align_us"] = time_graph_us(lambda: align_tokens(ids, shape["E"], cfg["BLOCK_M"]), smoke)
+        row["align_path"] = "one program" if num_chunks <= ONE_PROGRAM_CHUNKS else \
+            f"count + scatter, {scatter_chunks_each(num_chunks)} chunk(s) a scatter program"
     paths = {}
     if num_chunks <= 8:
         paths["one program"] = {"one_program": True}
@@ -129,7 +134,7 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     row = {"model": name, "M": num_tokens, "pairs": ids.numel(), "config": cfg, "floor_us": floor_us}
     time_align(row, ids, shape, cfg, smoke)
     time_casts(row, weights, table, smoke)
-    aligned = align_tokens(ids, shape["E"], cfg["BLOCK_M"])
+    aligned = gemm_layout(ids, shape["E"], cfg["BLOCK_M"])  # the op's blocks
     out = time_gemms(row, hidden, pool, table, weights, aligned, shape, cfg, smoke)
     time_sums(row, out, shape, smoke, copy_tb_per_s)
     whole = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"])  # noqa: E731
@@ -142,7 +147,8 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     ref = outputs["torch_sum"]
     row["op_rel_diff_vs_torch_sum"] = ((outputs["triton_sum"] - ref).norm() / ref.norm()).item()
     pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_torch_us"]
-    row["unexplained_us"] = row["op_torch_sum_us"] - pieces + 2 * floor_us
+    floors = 2 if row["align_us"] else 1  # pieces timed alone, less the op's own replay
+    row["unexplained_us"] = row["op_torch_sum_us"] - pieces + floors * floor_us
     return row
 
 
