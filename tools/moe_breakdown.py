@@ -3,13 +3,14 @@
     python tools/bench_kernels.py --breakdown --out breakdown.json               # on a CUDA GPU, ~1 minute
     TRITON_INTERPRET=1 python tools/bench_kernels.py --breakdown --smoke         # logic check on CPU
 
-Per model shape and M = 1, 8, 64, 1024, 4096 (the same inputs as the main benchmark), each a captured graph of:
+Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs), each a captured graph of:
   floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
   align         align_tokens as the op runs it (0 at M = 1: one block a pair, no sort); align_paths: its other
                 paths (one program for the whole sort up to 8 chunks of pairs, count + scatter, one scatter program
                 a chunk against 64 programs)
   casts         topk_weights.to(fp32) and page_table.to(int32); 0 and `casts_noop` when both return their input
-  gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them
+  gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them; pair_block_gemms
+                (1 < M <= 8): both over one block a pair, unsorted (repeated experts read twice, or from L2)
   sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
   op            the whole op as wired by default; op_torch_sum and op_triton_sum: with each top-k sum
   unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one;
@@ -28,10 +29,11 @@ from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton,
                                   scatter_chunks_each)
-from rimuru.ops.paged_moe import gemm_layout, launch_down, launch_gate_up, moe_gemms, paged_moe_triton
+from rimuru.ops.paged_moe import gemm_layout, launch_down, launch_gate_up, moe_gemms, paged_moe_triton, pair_blocks
 from rimuru.ops.topk_sum import topk_sum_triton
 
-BREAKDOWN_M = [1, 8, 64, 1024, 4096]
+BREAKDOWN_M = [1, 2, 4, 8, 64, 1024, 4096]
+PAIR_BLOCK_M = 8  # up to this M the GEMMs are timed over pair blocks too (`pair_blocks`: no sort)
 CANDIDATE_SCATTER_PROGRAMS = 64  # the scatter split timed against one program a chunk
 SUM_TILES = [{"BLOCK_D": 2048, "num_warps": 8}, {"BLOCK_D": 512, "num_warps": 4}, {"BLOCK_D": 1024, "num_warps": 8}]
 
@@ -136,6 +138,10 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     time_casts(row, weights, table, smoke)
     aligned = gemm_layout(ids, shape["E"], cfg["BLOCK_M"])  # the op's blocks
     out = time_gemms(row, hidden, pool, table, weights, aligned, shape, cfg, smoke)
+    if 1 < num_tokens <= PAIR_BLOCK_M:  # would skipping the sort pay here too? (the op does it at M = 1)
+        unsorted = pair_blocks(ids)
+        row["pair_block_gemms_us"] = time_graph_us(
+            lambda: moe_gemms(hidden, pool, table, weights, *unsorted, shape["F"], cfg), smoke)
     time_sums(row, out, shape, smoke, copy_tb_per_s)
     whole = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"])  # noqa: E731
     row["op_us"] = time_graph_us(whole, smoke)  # as wired by default
@@ -163,7 +169,7 @@ def run_breakdown(device, dtype, smoke, copy_tb_per_s=None):
     rows = []
     for name, shape in models.items():
         pools = expert_pools(shape, device, dtype)
-        for m in ([1, 70] if smoke else BREAKDOWN_M):
+        for m in ([1, 3, 70] if smoke else BREAKDOWN_M):
             rows.append(breakdown_point(name, shape, m, pools, device, dtype, smoke, copy_tb_per_s, floor_us))
             print_row(rows[-1], header=len(rows) == 1)
         del pools
@@ -176,6 +182,8 @@ def print_row(r, header=False):
         print("model M pairs | align casts | gate_up down gemms | sum torch (copy%) triton (copy%) |"
               " op op_torch_sum op_triton_sum | unexplained | sum tiles | other sort paths")
     paths = " ".join(f"{k}:{v:.1f}" for k, v in r["align_paths_us"].items())
+    if "pair_block_gemms_us" in r:
+        paths += f" | pair-block gemms:{r['pair_block_gemms_us']:.1f}"
     share = {k: f" ({100 * r[f'{k}_of_copy']:.0f}%)" if f"{k}_of_copy" in r else ""
              for k in ("sum_torch", "sum_triton")}
     tiles = " ".join(f"{k}:{v:.1f}" for k, v in r.get("sum_triton_tiles_us", {}).items())

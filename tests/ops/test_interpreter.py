@@ -45,7 +45,8 @@ def test_moe_breakdown_runs(tmp_path):
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["breakdown"]
-    assert len(rows) == 2 and all(r["casts_noop"] and r["op_rel_diff_vs_torch_sum"] < 1e-6 for r in rows)
+    assert len(rows) == 3 and all(r["casts_noop"] and r["op_rel_diff_vs_torch_sum"] < 1e-6 for r in rows)
+    assert [r["M"] for r in rows if "pair_block_gemms_us" in r] == [3]
 
 
 def test_decode_attention_sweep_runs(tmp_path):
