@@ -214,8 +214,8 @@ def paged_moe_triton(
     config: dict | None = None,
     host: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,  # pinned gate, up [E, F, D], down [E, D, F]
 ) -> torch.Tensor:  # [T, D]
-    """Sort (none for one token), both GEMMs and the top-k sum; no host synchronisation. With `host`, experts whose pages are -1 are
-    read from their pinned host copies (device-mapped memory) instead of contributing nothing."""
+    """Sort (none for one token), both GEMMs and the top-k sum; no host synchronisation. With `host`, experts whose
+    pages are -1 are read from their pinned host copies (device-mapped memory) instead of contributing nothing."""
     num_tokens, hidden_size = hidden.shape
     num_experts, top_k = page_table.shape[0], topk_ids.shape[1]
     if num_tokens == 0:
