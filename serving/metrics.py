@@ -11,7 +11,8 @@ _LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 
                     20.0, 40.0, 80.0)  # fmt: skip
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0,
                 120.0, 240.0)  # fmt: skip
-EXPERT_COUNTERS = ("evictions", "additions", "swaps", "bytes_copied", "prefetch_hits", "prefetch_misses")
+EXPERT_COUNTERS = ("evictions", "additions", "swaps", "bytes_copied", "prefetch_hits", "prefetch_misses",
+                   "direct_reads")  # direct_reads: host experts the kernels read in place (expert_reads="direct")
 # the cost adjuster's live model (`cost_*` in `Engine.expert_stats`): why the pool moved
 ADJUSTER_ESTIMATES = ("predicted_copy_ms", "measured_copy_ms", "compute_ms", "bandwidth_gb_s", "touch_p_mean",
                       "touch_p_max", "affordable_evictions", "oldest_wait_s", "slo_missed")  # fmt: skip

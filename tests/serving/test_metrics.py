@@ -10,7 +10,8 @@ NAMES = ["rimuru:num_requests_running", "rimuru:num_requests_waiting", "rimuru:k
          "rimuru:e2e_request_latency_seconds_bucket", "rimuru:prompt_tokens_total", "rimuru:generation_tokens_total",
          "rimuru:num_preemptions_total", "rimuru:expert_evictions_total", "rimuru:expert_additions_total",
          "rimuru:expert_bytes_copied_total", "rimuru:expert_prefetch_hits_total", "rimuru:expert_prefetch_misses_total",
-         "rimuru:expert_swaps_total", "rimuru:offloaded_experts", "rimuru:adjuster_estimate"]  # fmt: skip
+         "rimuru:expert_swaps_total", "rimuru:expert_direct_reads_total", "rimuru:offloaded_experts",
+         "rimuru:adjuster_estimate"]  # fmt: skip
 
 
 def test_metrics_after_traffic(server):
@@ -54,7 +55,7 @@ def test_the_cost_adjusters_estimates_reach_the_metrics_and_the_timeline():
 
     from rimuru.serving.timeline import Timeline, adjuster_state
 
-    stats = {"offloaded_experts": 12, "swaps": 2, "cost_predicted_copy_ms": 0.8, "cost_measured_copy_ms": 0.6,
+    stats = {"offloaded_experts": 12, "swaps": 2, "direct_reads": 7, "cost_predicted_copy_ms": 0.8, "cost_measured_copy_ms": 0.6,
              "cost_compute_ms": 14.5, "cost_touch_p_mean": 0.05}  # fmt: skip
     engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=0), expert_stats=stats)
     metrics = Metrics("m")
@@ -64,6 +65,7 @@ def test_the_cost_adjusters_estimates_reach_the_metrics_and_the_timeline():
     assert _value(text, 'rimuru:adjuster_estimate{estimate="predicted_copy_ms"') == 0.8
     assert _value(text, 'rimuru:adjuster_estimate{estimate="compute_ms"') == 14.5
     assert _value(text, "rimuru:offloaded_experts") == 12 and _value(text, "rimuru:expert_swaps_total") == 2
+    assert _value(text, "rimuru:expert_direct_reads_total") == 7
     timeline = Timeline()
     timeline.record(split | adjuster_state(stats), running=3, waiting=0)
     assert timeline.snapshot()["current"]["measured_copy_ms"] == 0.6
