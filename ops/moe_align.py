@@ -27,6 +27,9 @@ CHUNK = 128  # pairs a program sorts; [CHUNK, E] one-hot tiles stay in registers
 # vs 15.5), so the scatter keeps one program a chunk
 SCATTER_PROGRAMS = None  # scatter programs wanted once there are more chunks; None: one program a chunk
 ONE_PROGRAM_CHUNKS = 1  # up to this many chunks the whole sort is one launch of one program
+# count + scatter take chunks smaller than CHUNK while that keeps at least this many programs: the [chunk, E]
+# one-hot tiles are the kernels' work (a 128-pair chunk took 6-7 us a kernel for Qwen3 at 512 pairs on the H200)
+COUNT_PROGRAMS = 16
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -138,6 +141,12 @@ def one_program_chunk(num_pairs: int) -> int:
     return min(CHUNK, max(16, triton.next_power_of_2(num_pairs)))
 
 
+def count_chunk(num_pairs: int) -> int:
+    """Pairs a count (and scatter) program takes: CHUNK, or less while the chunks stay at least COUNT_PROGRAMS
+    (a power of two, at least 16): 512 pairs -> 32 a program."""
+    return min(CHUNK, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, COUNT_PROGRAMS))))
+
+
 def scatter_chunks_each(num_chunks: int) -> int:
     """Chunks a scatter program takes: one up to SCATTER_PROGRAMS chunks, then enough to keep that many programs
     (each reads the whole [chunks, E] count table: 256 programs x 128 KB at 32768 pairs and E = 128)."""
@@ -145,36 +154,37 @@ def scatter_chunks_each(num_chunks: int) -> int:
 
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunks_each: int | None = None,
-                        one_program: bool | None = None):
+                        one_program: bool | None = None, chunk: int | None = None):
     """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS chunks of pairs, else in two: count
-    (one program per CHUNK pairs), then scatter (`chunks_each` chunks a program, `scatter_chunks_each` by default).
-    `one_program` forces either path."""
+    (one program a chunk of `count_chunk` pairs, or `chunk`), then scatter (`chunks_each` chunks a program,
+    `scatter_chunks_each` by default). `one_program` forces either path."""
     device, num_pairs = topk_ids.device, topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
-    num_chunks = triton.cdiv(num_pairs, CHUNK)
     experts_pad = triton.next_power_of_2(num_experts)
     sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
     block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
     num_padded = torch.empty(1, dtype=torch.int32, device=device)
     ids = topk_ids.contiguous()
-    use_one_program = num_chunks <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
+    use_one_program = triton.cdiv(num_pairs, CHUNK) <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
     if use_one_program:
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, block_expert, num_padded, num_pairs, num_experts, max_rows, block_expert.numel(),
             BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=one_program_chunk(num_pairs), num_warps=8,
         )
         return sorted_ids, block_expert, num_padded
+    chunk = chunk or count_chunk(num_pairs)
+    num_chunks = triton.cdiv(num_pairs, chunk)
     chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)
     _count_kernel[(num_chunks,)](
         ids, chunk_counts, sorted_ids, num_pairs, max_rows, triton.cdiv(max_rows, num_chunks),
-        EXPERTS_PAD=experts_pad, CHUNK=CHUNK, num_warps=8,
+        EXPERTS_PAD=experts_pad, CHUNK=chunk, num_warps=8,
     )
     chunks_each = chunks_each or scatter_chunks_each(num_chunks)
     num_programs = triton.cdiv(num_chunks, chunks_each)
     _scatter_kernel[(num_programs,)](
         ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks,
         block_expert.numel(), triton.cdiv(block_expert.numel(), num_programs), chunks_each,
-        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=CHUNK, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
+        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=chunk, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
     )
     return sorted_ids, block_expert, num_padded
 

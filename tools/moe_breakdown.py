@@ -27,7 +27,7 @@ import torch
 
 from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
-from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton,
+from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton, count_chunk,
                                   scatter_chunks_each)
 from rimuru.ops.paged_moe import gemm_layout, launch_down, launch_gate_up, moe_gemms, paged_moe_triton, pair_blocks
 from rimuru.ops.topk_sum import topk_sum_triton
@@ -88,6 +88,8 @@ def time_align(row, ids, shape, cfg, smoke):
     if num_chunks <= 8:
         paths["one program"] = {"one_program": True}
         paths["count + scatter"] = {"one_program": False}
+        if count_chunk(ids.numel()) != CHUNK:  # the smaller chunks the op takes, against 128-pair ones
+            paths[f"count + scatter, {CHUNK}-pair chunks"] = {"one_program": False, "chunk": CHUNK}
     if num_chunks > CANDIDATE_SCATTER_PROGRAMS or smoke:
         paths["1 chunk a scatter program"] = {"one_program": False, "chunks_each": 1}
         paths[f"{CANDIDATE_SCATTER_PROGRAMS} scatter programs"] = {

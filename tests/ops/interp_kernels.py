@@ -18,7 +18,7 @@ from ops_cases import MIXED_BATCH, attention_case, moe_case  # noqa: E402
 
 from rimuru.ops import reference  # noqa: E402
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
-from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton  # noqa: E402
+from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton, count_chunk  # noqa: E402
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
 from rimuru.ops.rms_norm import rms_norm_triton  # noqa: E402
@@ -211,6 +211,17 @@ def test_align_tokens_either_path(num_pairs, num_experts, block_m, one_program):
     tri = align_tokens_triton(topk_ids, num_experts, block_m, one_program=one_program)
     for a, b in zip(ref, tri):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("chunk", [16, 32, 128])
+def test_align_tokens_count_and_scatter_at_every_chunk_size(chunk):
+    """Count + scatter lay the rows out the same whatever pairs a program takes; the default shrinks the chunk for
+    small batches so that about COUNT_PROGRAMS programs run (512 pairs: 32 a program)."""
+    topk_ids = torch.randint(0, 60, (130, 4), generator=torch.Generator().manual_seed(chunk))
+    ref = align_tokens_torch(topk_ids, 60, 16)
+    for a, b in zip(ref, align_tokens_triton(topk_ids, 60, 16, one_program=False, chunk=chunk)):
+        assert torch.equal(a, b)
+    assert [count_chunk(n) for n in (64, 512, 1000, 4096, 32768)] == [16, 32, 64, 128, 128]
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,chunks_each", [(9000, 4, 3), (2000, 60, 2), (1000, 128, 5),
