@@ -156,22 +156,28 @@ policies() {
 
 SKEW_FLAGS="--router-skew ${SKEW:-1.0}"
 
+# ranking_path: $MODEL's profiled ranking at this skew (`sweep` profiles it when missing): expert_ranking.json at
+# the default skew of 1.0, expert_ranking-skew<S>.json at another
+ranking_path() {
+  if [ "${SKEW:-1.0}" = 1.0 ]; then echo "$MODEL/expert_ranking.json"; else echo "$MODEL/expert_ranking-skew$SKEW.json"; fi
+}
+
 scenario() {  # POLICIES overrides the set
   # shellcheck disable=SC2086
-  policies "scenario-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" ${POLICIES:-resident fixed8 elastic8 cost8}
+  policies "scenario-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" ${POLICIES:-resident fixed8 elastic8 cost8}
 }
 
 defaults() {  # what a user gets without tuning: elastic at the default limit, both adjusters
-  policies "defaults-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" elastic cost
+  policies "defaults-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" elastic cost
 }
 
 limits() {  # the paper scenario's sweeps: elastic at offload limits 4, 12, 16, fixed at 4 and 16
-  policies "limits-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" elastic4 elastic12 elastic16 fixed4 fixed16
+  policies "limits-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" elastic4 elastic12 elastic16 fixed4 fixed16
 }
 
 direct() {  # the MoE op reading host experts in place, then fixed-8 and elastic-8 with direct reads at $RATE
   python tools/bench_direct_reads.py --out "$OUT/direct_reads.json" 2>&1 | tail -18
-  policies "direct-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" fixed8-direct elastic8-direct
+  policies "direct-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" fixed8-direct elastic8-direct
 }
 
 qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40 GiB card
@@ -180,7 +186,7 @@ qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40
   # part that ran (truncated_at_s); use a short stream such as .bench/stream-100-r10.jsonl
   local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB BENCH_FLAGS="--time-limit-s ${TIME_LIMIT_S:-120} ${BENCH_FLAGS:-}"
   # shellcheck disable=SC2086
-  policies "qwen3-40g-r$RATE" "$STREAM" "$MODEL/expert_ranking.json" "$SKEW_FLAGS" ${POLICIES:-fixed56 elastic64 elastic64-direct}
+  policies "qwen3-40g-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" ${POLICIES:-fixed56 elastic64 elastic64-direct}
 }
 
 shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjuster issue
