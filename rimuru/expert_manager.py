@@ -131,11 +131,14 @@ class ExpertManager:
         return self.count_routing if counts else None
 
     def count_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        if self.popularity is not None:
-            self.popularity.record(layer, topk_ids)
-        if self.direct and self.store.offloaded.get(layer):
-            on_host = self.store.page_tables[layer, :, 2] < 0  # [E]
-            self._direct_reads += (on_host & (_expert_counts(topk_ids, self.store.num_experts) > 0)).sum()
+        reads_host = self.direct and bool(self.store.offloaded.get(layer))
+        if self.popularity is not None or reads_host:
+            routed = self._count_routed(topk_ids)  # one count serves both
+            if self.popularity is not None:
+                self.popularity.record_counts(layer, routed)
+            if reads_host:
+                on_host = self.store.page_tables[layer, :, 2] < 0  # [E]
+                self._direct_reads += (on_host & (routed > 0)).sum()
         for observe in self.observers:
             observe(layer, hidden, topk_ids)
 
@@ -201,7 +204,7 @@ class ExpertManager:
             if next_layer is not None:
                 prefetch = self._prefetch_later(next_layer, votes)
         elif self.popularity is not None:
-            self.popularity.record(layer, topk_ids)
+            self.popularity.record_counts(layer, self._count_routed(topk_ids))
         self._load_routed(layer, routed & self.store.offloaded[layer], self.working_tables[layer])
         self.stats.hook_seconds += time.perf_counter() - start
         return prefetch
@@ -212,12 +215,10 @@ class ExpertManager:
         input, the Fate idea), fetched in one device-to-host copy: the hook's only wait for the GPU. The counts go
         into one persistent [2E] buffer (routed, then votes): five kernels and the copy a layer, one more that adds
         the routed counts to the online popularity when there is one."""
-        num_experts, ids = self.store.num_experts, topk_ids.flatten()
-        counts = self._counts
-        counts.zero_()
-        counts[:num_experts].index_add_(0, ids, self._ones_for(ids.numel()))
+        num_experts, counts = self.store.num_experts, self._counts
+        routed = self._count_routed(topk_ids)
         if self.popularity is not None:
-            self.popularity.record_counts(layer, counts[:num_experts])
+            self.popularity.record_counts(layer, routed)
         if next_layer is not None:
             # NOTE: in the model's dtype (the router itself runs in fp32): a vote only orders prefetches, and two
             # conversions a layer less is host time off the step
@@ -227,6 +228,13 @@ class ExpertManager:
         host = counts.tolist()  # waits for the router
         self.stats.routing_wait_seconds += time.perf_counter() - wait
         return {e for e, n in enumerate(host[:num_experts]) if n}, host[num_experts:]
+
+    def _count_routed(self, topk_ids: torch.Tensor) -> torch.Tensor:
+        """Tokens routed to each expert ([E] int64 on the device, a view of the persistent counts buffer, whose
+        second half the votes may fill next); no host sync (`torch.bincount` would wait to size its output)."""
+        ids, num_experts = topk_ids.flatten(), self.store.num_experts
+        self._counts.zero_()
+        return self._counts[:num_experts].index_add_(0, ids, self._ones_for(ids.numel()))
 
     def _ones_for(self, n: int) -> torch.Tensor:
         """n ones (int64) on the device, a view of one buffer grown to the largest batch seen."""
@@ -292,9 +300,3 @@ class ExpertManager:
         buffer.ready = self.copier.copy_many(copies, after=last_reader)
         self.stats.prefetched += len(predicted)
 
-
-def _expert_counts(topk_ids: torch.Tensor, num_experts: int) -> torch.Tensor:  # ids [T, K] or [N] -> [E] int64
-    """Tokens routed to each expert, on the device (`torch.bincount` would wait for the GPU to size its output;
-    int64 as in `ExpertPopularity.record`, whose index_add_ has run on the H200)."""
-    ids = topk_ids.flatten()
-    return torch.zeros(num_experts, dtype=torch.int64, device=ids.device).index_add_(0, ids, torch.ones_like(ids))

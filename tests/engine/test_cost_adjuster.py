@@ -156,9 +156,11 @@ def test_with_direct_reads_the_measured_cost_is_the_reads_counted(family):
     assert adjuster.estimates["cost_measured_copy_ms"] == pytest.approx(expected_ms)
 
 
-def test_online_popularity_counts_every_routing_the_hook_sees(family):
-    """Under the cost rule the routing hook adds its routed counts to the online popularity (with experts on the
-    host) or records the ids (without): either way every routing is counted once, as an observer sees it."""
+@pytest.mark.parametrize("reads", ["copy", "direct"])
+def test_online_popularity_counts_every_routing_the_hook_sees(family, reads):
+    """Under the cost rule the routing hook adds its routed counts to the online popularity (copies, with experts
+    on the host), the counting hook does (direct reads, or nothing on the host): either way every routing is
+    counted once, as an observer sees it."""
     folder, prompts, expected = family
     seen, flushed = {}, []
 
@@ -178,7 +180,7 @@ def test_online_popularity_counts_every_routing_the_hook_sees(family):
 
     budget = budget_for(folder, kv_tokens=60, offload=3)
     engine, tokens = run(folder, prompts, prepare=prepare, adjuster="cost", gpu_memory_budget=budget,
-                         expert_offload_limit=3)  # fmt: skip
+                         expert_offload_limit=3, expert_reads=reads)  # fmt: skip
     popularity = prepare.popularity
     counted = sum(flushed) + popularity.pending
     assert tokens == expected and engine.expert_stats["offloaded_experts"] > 0
