@@ -6,8 +6,9 @@ SCATTER_PROGRAMS chunks a scatter program takes a run of consecutive chunks, so 
 or for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one program that does all of it:
 11-16 us for up to 4096 pairs on an H200 (10.7-15.9 us in one program up to 128) against 200-500 us for the torch
 path's ~25 small launches (eager, host bound; docs/benchmarks/kernels.json and kernels-breakdown.json). The torch
-path (argsort, cumsum, scatter) serves CPU. Both give the same layout, which the interpreter tests check. Does not
-own the GEMMs (`rimuru.ops.paged_moe`).
+path (argsort, cumsum, scatter) serves CPU. Both give the same layout, which the interpreter tests check. A single
+token needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair. Does not own the GEMMs
+(`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
 
@@ -195,6 +196,21 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int):
     if topk_ids.is_cuda and topk_ids.numel() > 0:
         return align_tokens_triton(topk_ids, num_experts, block_m)
     return align_tokens_torch(topk_ids, num_experts, block_m)
+
+
+def pair_blocks(topk_ids: torch.Tensor) -> tuple[None, torch.Tensor, None]:
+    """The layout of one block a (token, k) pair, for `rimuru.ops.paged_moe.moe_gemms`: no sort, no launch (a view of the ids). For one
+    token, whose top-k experts are distinct, it reads what the sorted layout reads: each routed expert once, in an
+    M tile of one real row either way."""
+    return None, topk_ids.reshape(-1), None
+
+
+def gemm_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+    """The M blocks the GEMMs run: `pair_blocks` for one token, whose top-k experts are distinct (the sort took
+    15.5 us of Qwen3's 50.7 us op at one token on the H200 and bought nothing), else `align_tokens`."""
+    if topk_ids.shape[0] == 1:
+        return pair_blocks(topk_ids)
+    return align_tokens(topk_ids, num_experts, block_m)
 
 
 def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):

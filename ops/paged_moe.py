@@ -4,7 +4,7 @@ Owns two Triton kernels and their launcher. `_gate_up_kernel` computes, for one 
 tokens and one N tile of the F features, both the gate and the up tile (each from its own page: the two are never
 concatenated) and stores silu(gate) * up. `_down_kernel` multiplies that by the down page, scales each row by its
 router weight in fp32 and writes one row per (token, k); the sum over k is `rimuru.ops.topk_sum` (fixed order, no
-atomics). Token sorting lives in `rimuru.ops.moe_align`; a single token skips it (`pair_blocks`: one M block a
+atomics). Token sorting lives in `rimuru.ops.moe_align`; a single token skips it (`gemm_layout`: one M block a
 pair, its expert read from the top-k ids). The reference is `rimuru.ops.reference.paged_moe`.
 
 Addresses inside the expert view (row stride `stride_page` >= F * D, so padded pools work):
@@ -30,7 +30,7 @@ import triton.language as tl
 
 from rimuru.ops import reference
 from rimuru.ops.configs import moe_config
-from rimuru.ops.moe_align import align_tokens
+from rimuru.ops.moe_align import gemm_layout
 from rimuru.ops.topk_sum import topk_sum
 
 
@@ -141,7 +141,7 @@ def _down_kernel(
 def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act, top_k, cfg,
                    host=None):  # fmt: skip
     """act[t * K + k] = silu(x_t gate_e^T) * (x_t up_e^T) for every routed pair; act [T * K, F]. `sorted_ids`
-    None: one block a pair, `block_expert` the flat top-k ids (`pair_blocks`)."""
+    None: one block a pair, `block_expert` the flat top-k ids (`moe_align.pair_blocks`)."""
     num_pairs, num_features = act.shape
     grid = (block_expert.numel(), triton.cdiv(num_features, cfg["BLOCK_N"]))
     host_gate, host_up, _ = host or (expert_view,) * 3  # without host copies the pointers are never read
@@ -167,21 +167,6 @@ def launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padd
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], READ_HOST=host is not None,
         PAIR_BLOCKS=pair_blocks, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
-
-
-def pair_blocks(topk_ids: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-    """The layout of one block a (token, k) pair, for `moe_gemms`: no sort, no launch (a view of the ids). For one
-    token, whose top-k experts are distinct, it reads what the sorted layout reads: each routed expert once, in an
-    M tile of one real row either way."""
-    return None, topk_ids.reshape(-1), None
-
-
-def gemm_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """The M blocks the GEMMs run: `pair_blocks` for one token, whose top-k experts are distinct (the sort took
-    15.5 us of Qwen3's 50.7 us op at one token on the H200 and bought nothing), else `align_tokens`."""
-    if topk_ids.shape[0] == 1:
-        return pair_blocks(topk_ids)
-    return align_tokens(topk_ids, num_experts, block_m)
 
 
 def _layout_pointers(sorted_ids, block_expert, num_padded):

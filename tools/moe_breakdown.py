@@ -28,8 +28,8 @@ import torch
 from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton, count_chunk,
-                                  scatter_chunks_each)
-from rimuru.ops.paged_moe import gemm_layout, launch_down, launch_gate_up, moe_gemms, paged_moe_triton, pair_blocks
+                                  gemm_layout, pair_blocks, scatter_chunks_each)
+from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
 
 BREAKDOWN_M = [1, 2, 4, 8, 64, 1024, 4096]
