@@ -44,7 +44,7 @@ class EngineConfig:
     expert_policy: str = "elastic"  # "resident" | "fixed" | "elastic" (DESIGN.md section 3)
     expert_offload_limit: int | None = None  # elastic cap per layer, also sizing the loading buffers; None: a quarter
     adjuster: str = "paper"  # elastic: "paper" (DESIGN.md section 4) | "cost" (rimuru.cost_adjuster)
-    copy_compute_ratio: float = 1.0  # cost: evict while predicted copy (or direct read) time a step <= this x compute
+    copy_compute_ratio: float = 1.0  # cost: copies up to this x a step's compute hide under it (direct reads never)
     ttft_slo: float | None = None  # cost: seconds the oldest waiting request may wait before evicting despite cost
     offload_per_layer: int | None = None  # experts each layer keeps on the host (fixed); None: a quarter of them
     expert_ranking: str | None = None  # path of expert_ranking.json; None: beside the checkpoint, else uniform

@@ -1,10 +1,13 @@
-"""The cost-aware adjuster (`adjuster="cost"`): evict only while the copies stay hidden under compute, grow back
-hottest-first once pages have stayed free, never bounce.
+"""The cost-aware adjuster (`adjuster="cost"`): evict only while it raises throughput, grow back hottest-first once
+pages have stayed free, never bounce.
 
 Pure functions of measured inputs decide the counts (tested on hand-computed cases):
-- `affordable_evictions`: how many nominees, cheapest first, can leave while a step's predicted copy time stays
-  within `ratio` x its compute time;
-- `plan_cost_adjustment`: short of pages -> evict what is needed, capped by the affordable count unless forced
+- `profitable_evictions`: how many nominees, cheapest first, can leave while the step's throughput rises. Evicting
+  n experts frees the KV pages of n x `requests_per_expert` more running requests, and makes the step longer by the
+  link time it is newly exposed to. Copies hidden under `ratio` x the step's compute (prefetched on a side stream)
+  cost nothing; direct reads hide nothing. So an eviction is taken while (running + n g) / (step + delta_n) stays >=
+  running / step.
+- `plan_cost_adjustment`: short of pages -> evict what is needed, capped by the profitable count unless forced
   (a TTFT target missed, or nothing else can free pages); not short and free pages above the threshold for
   `grow_after_rounds` rounds in a row -> add back; otherwise nothing. There is no precautionary eviction.
 - `plan_swaps`: in a round that neither evicts nor adds, host experts whose online share has grown past
@@ -19,22 +22,27 @@ It never touches pages: like `Adjuster`, it returns a `ChangeList` for the `Expe
 With direct reads (`expert_reads="direct"`) a touched host expert is read over the host link by the expert kernel
 instead of copied, and the model's "copy time" is that read time: the measured side is then the reads the manager
 counted (`reads_in_place`) times an expert's bytes over the link's measured bandwidth, not the copier's timings
-(which see only additions).
+(which see only additions). The predicted link time is scaled by measured / predicted, both averaged alike (within
+`CALIBRATION_RANGE`): the touch model treats routings as independent draws, real batches repeat experts.
+
+Left out on purpose: the compute a bigger batch adds (at decode sizes a step is bound by reading weights; one
+more request adds its KV reads, a few percent of a step) and the higher touch probability of the experts already
+offloaded once the batch has grown. The next refresh measures both: it sees the longer step.
 """
 
 import itertools
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from rimuru.adjuster import Adjuster, ChangeList
-from rimuru.cost_model import CostModel, copy_seconds, touch_probability
+from rimuru.cost_model import CostModel, copy_seconds, ema, exposed_seconds, touch_probability
 from rimuru.popularity import ExpertPopularity
 
 
 @dataclass(frozen=True)
 class CostThresholds:
-    copy_compute_ratio: float = 1.0  # evict while predicted copy time per step <= this x compute time per step
+    copy_compute_ratio: float = 1.0  # copies (not direct reads) up to this x a step's compute are hidden, free
     ttft_slo: float | None = None  # seconds the oldest waiting request may wait before evicting despite the cost
     grow_above_free: int = 9  # free expert pages above this let experts come back...
     grow_after_rounds: int = 16  # ...once they have stayed above it this many rounds in a row
@@ -46,15 +54,24 @@ class CostThresholds:
     max_swaps_per_round: int = 2  # each swap copies one expert in
 
 
-def affordable_evictions(base_copy_s: float, marginal_copy_s: Iterable[float], compute_s: float, ratio: float) -> int:
-    """How many of the nominees (in order) may leave: the predicted copy time per step, `base_copy_s` for the
-    experts already offloaded plus each nominee's marginal copy time, must stay <= `ratio` x `compute_s`."""
-    total, count = base_copy_s, 0
-    for cost in marginal_copy_s:
-        total += cost
-        if total > ratio * compute_s:
+CALIBRATION_RANGE = (0.25, 4.0)  # measured / predicted link time, as far as it is trusted
+MAX_NOMINEES = 256  # nominees one refresh looks at: enough for `refresh_every` rounds of evictions
+
+
+def profitable_evictions(step_s: float, running: float, requests_per_expert: float,
+                         exposed_s: Iterable[float]) -> int:  # fmt: skip
+    """How many of the nominees (in order) may leave while the step's throughput does not fall. `exposed_s`: the
+    link seconds a step is exposed to with 0, 1, 2, ... nominees gone. With n gone the batch gains n x
+    `requests_per_expert` requests and the step `exposed_s[n] - exposed_s[0]` seconds; evict while
+    (running + n g) / (step_s + delta_n) >= running / step_s, i.e. n g step_s >= running delta_n.
+    A 10 ms step of 20 requests, 0.2 requests an expert, each nominee 0.05 ms more: 2n >= 1n, all go."""
+    exposed = iter(exposed_s)
+    now = next(exposed, None)
+    count = 0
+    for n, after in enumerate(exposed, start=1):
+        if n * requests_per_expert * step_s < running * (after - now):
             break
-        count += 1
+        count = n
     return count
 
 
@@ -91,7 +108,8 @@ def plan_swaps(host_shares: dict[int, dict[int, float]], resident_shares: dict[i
 class CostAdjuster:
     def __init__(self, popularity: ExpertPopularity, offload_limit: int, store, top_k: int,
                  thresholds: CostThresholds = CostThresholds(), cost: CostModel | None = None,
-                 refresh_every: int = 8, reads_in_place: Callable[[], int] | None = None):  # fmt: skip
+                 refresh_every: int = 8, reads_in_place: Callable[[], int] | None = None,
+                 kv_pages_per_expert_page: int = 1):  # fmt: skip
         self.popularity, self.offload_limit, self.store, self.top_k = popularity, offload_limit, store, top_k
         self.ranking = popularity  # what `Adjuster` users read
         self.thresholds, self.cost = thresholds, cost or CostModel()
@@ -106,6 +124,9 @@ class CostAdjuster:
         self.first_waiting: dict[str, float] = {}  # request id -> when first seen waiting
         self.oldest_wait_s = 0.0
         self.measured_copy_s: float | None = None  # moving average of copy (or direct read) seconds per step
+        self.predicted_copy_s: float | None = None  # ...and of the model's prediction, averaged alike
+        self._predicted_now = 0.0  # the prediction for the placement at the last refresh
+        self.kv_pages_per_expert_page = kv_pages_per_expert_page  # what one evicted expert page holds of KV
         self.reads_in_place = reads_in_place  # direct reads: (layer, expert) host reads counted so far
         self._reads_seen = reads_in_place() if reads_in_place else 0
         self.estimates: dict[str, float] = {}
@@ -173,11 +194,12 @@ class CostAdjuster:
 
     # ---- after the forward pass --------------------------------------------------------------------------------
 
-    def observe(self, step_seconds: float, num_tokens: int, waiting: Sequence = ()) -> None:
-        """Feed one step's measurements (wall time, tokens, the waiting queue); every `refresh_every` rounds, pull
-        the routing counts and refresh the estimates."""
+    def observe(self, step_seconds: float, num_tokens: int, waiting: Sequence = (), running: int = 0,
+                kv_pages: int = 0) -> None:  # fmt: skip
+        """Feed one step's measurements (wall time, tokens, the waiting queue, the requests running and the KV pages
+        in use); every `refresh_every` rounds, pull the routing counts and refresh the estimates."""
         if num_tokens > 0:
-            self.cost.observe_step(step_seconds, num_tokens)
+            self.cost.observe_step(step_seconds, num_tokens, running, kv_pages)
         num_bytes, seconds = self.store.copier.take_timings()
         self.cost.observe_copies(num_bytes, seconds)
         if self.reads_in_place is None:
@@ -192,8 +214,11 @@ class CostAdjuster:
             self.refresh()
 
     def _observe_copy_seconds(self, seconds: float) -> None:
-        previous, weight = self.measured_copy_s, self.cost.weight
-        self.measured_copy_s = seconds if previous is None else (1 - weight) * previous + weight * seconds
+        """The measured link seconds a step, and beside it (averaged alike, so both lag alike) the prediction for
+        the placement of the last refresh: their ratio calibrates the touch model."""
+        weight = self.cost.weight
+        self.measured_copy_s = ema(self.measured_copy_s, seconds, weight)
+        self.predicted_copy_s = ema(self.predicted_copy_s, self._predicted_now, weight)
 
     def _observe_reads(self, steps: int) -> None:
         """Direct reads: the host reads counted over the last `steps` steps, as link seconds a step (one read of an
@@ -209,31 +234,54 @@ class CostAdjuster:
         self.oldest_wait_s = now - min(self.first_waiting.values()) if self.first_waiting else 0.0
 
     def refresh(self) -> None:
-        """Recompute the affordable evictions and the estimates from the current measurements and placement."""
-        offloaded = self.store.offloaded
-        if not self.cost.is_measured:
+        """Recompute the profitable evictions and the estimates from the current measurements and placement."""
+        offloaded, c = self.store.offloaded, self.cost
+        if not c.is_measured or not c.kv_pages_per_request:
             self._affordable, self.estimates = 0, {"cost_measured": 0}
             return
-        c, num_tokens = self.cost, self.cost.tokens_per_step
+        num_tokens, t = c.tokens_per_step, self.thresholds
         shares = [self.popularity.share(layer, e) for layer, experts in offloaded.items() for e in experts]
-        base = copy_seconds(shares, num_tokens, self.top_k, self.expert_bytes, c.bandwidth)
-        marginal = (copy_seconds([self.popularity.share(*key)], num_tokens, self.top_k, self.expert_bytes, c.bandwidth)
-                    for key in self.nominator.eviction_order(offloaded))  # fmt: skip
-        first = next(marginal, None)  # NOTE: lazily, as far as the budget goes: 48 x 128 experts cost 20 ms in full
-        nominees = itertools.chain([first], marginal) if first is not None else ()
-        self._affordable = affordable_evictions(base, nominees, c.compute_s, self.thresholds.copy_compute_ratio)
+        predicted = copy_seconds(shares, num_tokens, self.top_k, self.expert_bytes, c.bandwidth)
+        scale, self._predicted_now = self._calibration(), predicted
+        hidden = 0.0 if self.reads_in_place is not None else t.copy_compute_ratio * c.compute_s
+        gained = t.pages_per_expert * self.kv_pages_per_expert_page / c.kv_pages_per_request
+        costs: list[float] = []  # the nominees' link seconds, as far as the rule read them
+        link = itertools.accumulate(self._nominee_costs(offloaded, scale, costs), initial=scale * predicted)
+        exposed = (exposed_seconds(seconds, hidden) for seconds in link)
+        self._affordable = profitable_evictions(c.compute_s, c.running, gained, exposed)
         touch = [touch_probability(p, num_tokens, self.top_k) for p in shares]
         self.estimates = {
             "cost_measured": 1,
             "cost_bandwidth_gb_s": c.bandwidth / 1e9,
             "cost_compute_ms": c.compute_s * 1e3,
             "cost_tokens_per_step": num_tokens,
-            "cost_predicted_copy_ms": base * 1e3,  # for the experts offloaded now
+            "cost_running": c.running,
+            "cost_requests_per_expert": gained,
+            "cost_predicted_copy_ms": predicted * 1e3,  # for the experts offloaded now, before the calibration
             "cost_measured_copy_ms": (self.measured_copy_s or 0.0) * 1e3,
+            "cost_calibration": scale,
             "cost_affordable_evictions": self._affordable,
-            "cost_next_eviction_ms": (first or 0.0) * 1e3,
+            "cost_next_eviction_ms": (costs[0] if costs else 0.0) * 1e3,
             "cost_touch_p_mean": sum(touch) / len(touch) if touch else 0.0,
             "cost_touch_p_max": max(touch, default=0.0),
             "cost_oldest_wait_s": self.oldest_wait_s,
             "cost_slo_missed": int(self.slo_missed),
         }
+
+    def _nominee_costs(self, offloaded: dict[int, set[int]], scale: float, into: list[float]) -> Iterator[float]:
+        """Each nominee's link seconds a step (calibrated), cheapest first, generated lazily and kept in `into`:
+        48 layers x 128 experts cost 20 ms in full."""
+        c = self.cost
+        for key in itertools.islice(self.nominator.eviction_order(offloaded), MAX_NOMINEES):
+            seconds = scale * copy_seconds([self.popularity.share(*key)], c.tokens_per_step, self.top_k,
+                                           self.expert_bytes, c.bandwidth)  # fmt: skip
+            into.append(seconds)
+            yield seconds
+
+    def _calibration(self) -> float:
+        """Measured / predicted link seconds a step, within `CALIBRATION_RANGE` (1 until both are known)."""
+        if not self.predicted_copy_s or not self.measured_copy_s:
+            return 1.0
+        low, high = CALIBRATION_RANGE
+        return min(high, max(low, self.measured_copy_s / self.predicted_copy_s))
+

@@ -4,7 +4,7 @@ Pure functions first (tested on hand-computed numbers), then `CostModel`, which 
 - host -> device bandwidth, from the copies the engine makes anyway (start-up placement, misses, prefetches,
   additions), timed by the copier (CUDA events on a GPU, wall time on CPU);
 - compute time per step: the engine's wall time around the forward pass and sampling;
-- tokens per step.
+- tokens per step, requests running and KV pages a running request holds (what evicting one more expert admits).
 Measurements are exponential moving averages; `pin` fixes any of them (tests, or an operator who knows better).
 
 The model, kept simple on purpose:
@@ -15,7 +15,9 @@ The model, kept simple on purpose:
 - what prefetch hides is the compute time itself: prefetches run on a side stream under the previous layer's
   kernels, but the link carries one copy at a time, so the copies stay hidden only while their total fits in the
   step's compute. Misses (copies on the compute stream) are not hidden at all; the rule's ratio (default 1.0)
-  leaves no slack for them, which is why the ratio is a knob.
+  leaves no slack for them, which is why the ratio is a knob. Direct reads hide nothing: the expert kernel waits
+  for them inside its layer;
+- the link time a step is exposed to adds to the step: `exposed_seconds`.
 """
 
 from dataclasses import dataclass
@@ -32,12 +34,17 @@ def copy_seconds(shares: list[float], num_tokens: float, top_k: int, expert_byte
     return sum(touch_probability(p, num_tokens, top_k) for p in shares) * expert_bytes / bandwidth
 
 
+def exposed_seconds(link_s: float, hidden_s: float) -> float:
+    """The part of a step's predicted link time (copies or direct reads) that its compute does not hide."""
+    return max(0.0, link_s - hidden_s)
+
+
 def kv_pages_freed(num_experts: int, pages_per_expert: int, kv_pages_per_expert_page: int) -> int:
     """KV pages that evicting `num_experts` experts frees (3 expert pages each, each split into KV pages)."""
     return num_experts * pages_per_expert * kv_pages_per_expert_page
 
 
-def _ema(old: float | None, new: float, weight: float) -> float:
+def ema(old: float | None, new: float, weight: float) -> float:
     return new if old is None else (1 - weight) * old + weight * new
 
 
@@ -48,6 +55,8 @@ class CostModel:
     bandwidth: float | None = None  # bytes/s host -> device
     compute_s: float | None = None  # seconds a step computes
     tokens_per_step: float | None = None
+    running: float | None = None  # requests running a step
+    kv_pages_per_request: float | None = None  # KV pages a running request holds
     weight: float = 0.1  # of each new measurement in the average
     pinned: frozenset = frozenset()  # names `observe_*` leaves alone
 
@@ -59,13 +68,16 @@ class CostModel:
 
     def observe_copies(self, num_bytes: int, seconds: float) -> None:
         if num_bytes > 0 and seconds > 0 and "bandwidth" not in self.pinned:
-            self.bandwidth = _ema(self.bandwidth, num_bytes / seconds, self.weight)
+            self.bandwidth = ema(self.bandwidth, num_bytes / seconds, self.weight)
 
-    def observe_step(self, seconds: float, num_tokens: int) -> None:
-        if "compute_s" not in self.pinned:
-            self.compute_s = _ema(self.compute_s, seconds, self.weight)
-        if "tokens_per_step" not in self.pinned:
-            self.tokens_per_step = _ema(self.tokens_per_step, float(num_tokens), self.weight)
+    def observe_step(self, seconds: float, num_tokens: int, running: int = 0, kv_pages: int = 0) -> None:
+        """One step: its wall time and tokens, the requests running and the KV pages they hold."""
+        observed = {"compute_s": seconds, "tokens_per_step": float(num_tokens), "running": float(running)}
+        if running > 0:
+            observed["kv_pages_per_request"] = kv_pages / running
+        for name, value in observed.items():
+            if name not in self.pinned:
+                setattr(self, name, ema(getattr(self, name), value, self.weight))
 
     @property
     def is_measured(self) -> bool:

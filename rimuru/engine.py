@@ -130,7 +130,7 @@ class Engine:
             thresholds = CostThresholds(copy_compute_ratio=cfg.copy_compute_ratio, ttft_slo=cfg.ttft_slo)
             reads = self.expert_manager.direct_reads if direct else None
             self.adjuster = CostAdjuster(popularity, count, self.experts, mc.num_experts_per_tok, thresholds,
-                                         reads_in_place=reads)  # fmt: skip
+                                         reads_in_place=reads, kv_pages_per_expert_page=self.allocator.children[KV])
 
     def _reclaimable_expert_pages(self, stalled: bool | None = None) -> int:
         """Expert pages the adjuster could still free by evicting this round (0 unless elastic). `stalled`: nothing
@@ -244,7 +244,8 @@ class Engine:
         finally:
             self.expert_manager.end_step()
             if isinstance(self.adjuster, CostAdjuster):  # the step's wall time: forward, sampling, expert copies
-                self.adjuster.observe(time.perf_counter() - start, batch.num_tokens, self.scheduler.waiting)
+                self.adjuster.observe(time.perf_counter() - start, batch.num_tokens, self.scheduler.waiting,
+                                      len(self.scheduler.running), self.allocator.num_used_pages(KV))
 
     def _adjust(self, kv_shortfall_pages: int) -> ChangeList:
         if self.adjuster is None:

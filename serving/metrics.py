@@ -15,7 +15,8 @@ EXPERT_COUNTERS = ("evictions", "additions", "swaps", "bytes_copied", "prefetch_
                    "direct_reads")  # direct_reads: host experts the kernels read in place (expert_reads="direct")
 # the cost adjuster's live model (`cost_*` in `Engine.expert_stats`): why the pool moved
 ADJUSTER_ESTIMATES = ("predicted_copy_ms", "measured_copy_ms", "compute_ms", "bandwidth_gb_s", "touch_p_mean",
-                      "touch_p_max", "affordable_evictions", "oldest_wait_s", "slo_missed")  # fmt: skip
+                      "touch_p_max", "affordable_evictions", "oldest_wait_s", "slo_missed", "calibration",
+                      "requests_per_expert")  # fmt: skip
 POOL_KINDS = ("expert", "kv", "free", "trapped")
 
 

@@ -92,6 +92,9 @@ class PageAllocator:
         """Small pages of `kind` obtainable now, free ones already split off plus those in free expert pages."""
         return self._num_free_small[kind] + self.num_free_expert_pages * self.children[kind]
 
+    def num_used_pages(self, kind: str = KV) -> int:
+        return self._num_used[kind]
+
     def can_allocate(self, num_pages: int, kind: str = KV) -> bool:
         if kind in SMALL_KINDS:
             return num_pages <= self.num_free_small_pages(kind)

@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from rimuru import LLM
-from rimuru.cost_adjuster import CostAdjuster, CostThresholds, affordable_evictions, plan_cost_adjustment, plan_swaps
-from rimuru.cost_model import copy_seconds, kv_pages_freed, touch_probability
+from rimuru.cost_adjuster import CostAdjuster, CostThresholds, plan_cost_adjustment, plan_swaps, profitable_evictions
+from rimuru.cost_model import copy_seconds, exposed_seconds, kv_pages_freed, touch_probability
 from rimuru.expert_ranking import ExpertRanking
 from rimuru.popularity import ExpertPopularity
 from tests.engine.test_experts import GREEDY, budget_for, run
@@ -26,19 +26,39 @@ def test_touch_probability_and_copy_time_by_hand():
 
 
 def test_cheap_copies_evict():
-    """1 GB/s: each nominee adds 0.182 ms; 1 ms of compute hides five (0.91 ms); short by 8 pages -> evict 3."""
-    marginal = [copy_seconds([SHARE], TOKENS, TOP_K, EXPERT_BYTES, 1e9)] * 6
-    assert affordable_evictions(0.0, marginal, compute_s=1e-3, ratio=1.0) == 5
+    """Copies hidden under the compute cost nothing: 1 GB/s, each nominee 0.182 ms, 1 ms of compute hides five
+    (0.91 ms); the sixth exposes 0.093 ms, which 20 requests of a 1 ms step pay for only when it admits
+    20 x 0.093 / 1 / 6 = 0.31 requests an expert (it admits 0.2 here: five go). Short by 8 pages -> evict 3."""
+    marginal = copy_seconds([SHARE], TOKENS, TOP_K, EXPERT_BYTES, 1e9)
+    exposed = [exposed_seconds(n * marginal, hidden_s=1e-3) for n in range(7)]
+    assert exposed[:6] == [0.0] * 6 and exposed[6] == pytest.approx(6 * 0.182093e-3 - 1e-3, rel=1e-5)
+    assert profitable_evictions(1e-3, running=20, requests_per_expert=0.2, exposed_s=exposed) == 5
+    assert profitable_evictions(1e-3, running=20, requests_per_expert=0.4, exposed_s=exposed) == 6
     assert plan_cost_adjustment(8, 0, affordable=5, forced=False, free_rounds=0) == (3, 0)
-    assert plan_cost_adjustment(8, 0, affordable=2, forced=False, free_rounds=0) == (2, 0)  # as far as it is cheap
+    assert plan_cost_adjustment(8, 0, affordable=2, forced=False, free_rounds=0) == (2, 0)  # as far as it pays
+
+
+def test_direct_reads_evict_while_the_batch_gains_more_than_the_step():
+    """Direct reads hide nothing. A 10 ms step of 20 requests, 0.2 requests an expert: nominees reading 0.05, 0.08,
+    0.12 and 0.2 ms more a step. n = 1..4: 2n ms-requests gained against 20 x (0.05, 0.13, 0.25, 0.45) ms lost:
+    2 >= 1, 4 >= 2.6, 6 >= 5, 8 < 9 -> three go."""
+    link = [0.0, 0.05e-3, 0.13e-3, 0.25e-3, 0.45e-3]
+    assert profitable_evictions(10e-3, running=20, requests_per_expert=0.2, exposed_s=link) == 3
+    assert profitable_evictions(10e-3, running=20, requests_per_expert=0.2, exposed_s=[x + 1.0 for x in link]) == 3
+    assert profitable_evictions(10e-3, running=80, requests_per_expert=0.2, exposed_s=link) == 0  # a big batch
+    assert profitable_evictions(10e-3, running=20, requests_per_expert=0.2, exposed_s=[0.0]) == 0  # no nominee
 
 
 def test_expensive_copies_refuse():
-    """0.1 GB/s: one nominee alone adds 1.82 ms > 1 ms of compute; half a ms already offloaded leaves no room."""
-    marginal = [copy_seconds([SHARE], TOKENS, TOP_K, EXPERT_BYTES, 1e8)]
-    assert affordable_evictions(0.0, marginal, compute_s=1e-3, ratio=1.0) == 0
-    assert affordable_evictions(0.0, marginal, compute_s=1e-3, ratio=2.0) == 1  # the ratio buys slack
-    assert affordable_evictions(0.9e-3, [0.182093e-3], compute_s=1e-3, ratio=1.0) == 0
+    """0.1 GB/s: one nominee alone adds 1.82 ms, 0.82 of them past 1 ms of compute; half a ms already offloaded
+    leaves less room."""
+    marginal = copy_seconds([SHARE], TOKENS, TOP_K, EXPERT_BYTES, 1e8)
+    exposed = [exposed_seconds(n * marginal, hidden_s=1e-3) for n in range(2)]
+    assert profitable_evictions(1e-3, running=20, requests_per_expert=0.2, exposed_s=exposed) == 0
+    hidden_more = [exposed_seconds(n * marginal, hidden_s=2e-3) for n in range(2)]  # the ratio buys slack
+    assert profitable_evictions(1e-3, running=20, requests_per_expert=0.2, exposed_s=hidden_more) == 1
+    after_half_a_ms = [exposed_seconds(0.9e-3 + n * 0.182093e-3, hidden_s=1e-3) for n in range(2)]
+    assert profitable_evictions(1e-3, running=20, requests_per_expert=0.2, exposed_s=after_half_a_ms) == 0
     assert plan_cost_adjustment(8, 0, affordable=0, forced=False, free_rounds=0) == (0, 0)
     assert plan_cost_adjustment(0, 1, affordable=0, forced=False, free_rounds=0) == (0, 0)  # no precaution
 
@@ -66,7 +86,7 @@ def test_cost_adjuster_never_bounces_and_slo_overrides():
     t = CostThresholds(grow_after_rounds=2, readd_after_rounds=3, ttft_slo=5.0)
     adjuster = CostAdjuster(popularity, 2, fake_store(offloaded), top_k=1, thresholds=t)
     assert adjuster.adjust(8, 0, offloaded).evict == []  # nothing measured yet: no eviction without force
-    adjuster.cost.pin(bandwidth=1e12, compute_s=1.0, tokens_per_step=1.0)
+    adjuster.cost.pin(bandwidth=1e12, compute_s=1.0, tokens_per_step=1.0, running=10.0, kv_pages_per_request=100.0)
     adjuster.refresh()
     assert adjuster.reclaimable_experts(offloaded) == 2
     assert adjuster.adjust(8, 0, offloaded).evict == [(0, 3), (0, 2)]  # coldest first, the cap is 2
@@ -151,7 +171,7 @@ def test_with_direct_reads_the_measured_cost_is_the_reads_counted(family):
     adjuster.reads_in_place = lambda: reads[0]
     for _ in range(2 * adjuster.refresh_every):
         reads[0] += 3
-        adjuster.observe(0.01, 4)
+        adjuster.observe(0.01, 4, running=2, kv_pages=20)
     expected_ms = 3 * adjuster.expert_bytes / 1e9 * 1e3
     assert adjuster.estimates["cost_measured_copy_ms"] == pytest.approx(expected_ms)
 
