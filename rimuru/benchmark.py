@@ -87,9 +87,13 @@ def _submit(engine: Engine, request: dict, clock: _Clock, now: float) -> None:
     clock.arrival[request["id"]] = now
 
 
+SERIES_ESTIMATES = ("cost_affordable_evictions", "cost_calibration", "cost_predicted_copy_ms", "cost_measured_copy_ms")
+
+
 def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
     stats = engine.allocator.stats()
-    return {
+    estimates = getattr(engine.adjuster, "estimates", {})  # the cost rule's view, each step (adjuster="cost")
+    return {k: round(estimates[k], 4) for k in SERIES_ESTIMATES if k in estimates} | {
         "t": round(now, 4),
         "running": len(engine.scheduler.running),
         "waiting": len(engine.scheduler.waiting),
