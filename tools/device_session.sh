@@ -42,6 +42,8 @@ OUT=${OUT:-/tmp/out} MODEL=${MODEL:-.bench/qwen1.5-moe-a2.7b} STREAM=${STREAM:-.
 RATE=${RATE:-0} BUDGET=${BUDGET:-30GiB} SERVE_STREAM=${SERVE_STREAM:-.bench/stream-100-r10.jsonl}
 mkdir -p "$OUT"
 source tools/device_env.sh
+# NOTE: give RIMURU_COMMIT literally (RIMURU_COMMIT=480ab55 bash tools/device_session.sh ...): the device's copy of
+# the tree can carry git metadata older than its files, so `git rev-parse` there may name an earlier commit
 export RIMURU_COMMIT=${RIMURU_COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 DUMMY=()
 [ -f "$MODEL/model.safetensors" ] || [ -f "$MODEL/model.safetensors.index.json" ] || DUMMY=(--load-format dummy)

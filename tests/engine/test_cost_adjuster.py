@@ -102,6 +102,22 @@ def test_cost_adjuster_never_bounces_and_slo_overrides():
     assert adjuster.adjust(4, 0, offloaded, stalled=True).evict == [(0, 3), (0, 2)]  # nothing else frees pages
 
 
+def test_the_calibration_only_raises_the_predicted_link_time():
+    """Measured link time 3x the prediction scales nominees by 3 (within the cap of 4); measured below the
+    prediction leaves them as the touch model says."""
+    popularity = ExpertPopularity(ExpertRanking({0: (0.4, 0.3, 0.2, 0.1)}), 4)
+    offloaded = {0: {3}}
+    adjuster = CostAdjuster(popularity, 2, fake_store(offloaded), top_k=1)
+    adjuster.cost.pin(bandwidth=1e9, compute_s=1.0, tokens_per_step=1.0, running=1.0, kv_pages_per_request=3.0)
+    expected = [3.0, 1.0, 4.0]
+    for measured, scale in zip((3.0, 0.5, 10.0), expected):
+        adjuster.measured_copy_s, adjuster.predicted_copy_s = measured, 1.0
+        adjuster.refresh()
+        assert adjuster.estimates["cost_calibration"] == scale
+        # the next nominee (expert 2, share 0.2, 1 MB at 1 GB/s, one token of top-1): 0.2 ms x the scale
+        assert adjuster.estimates["cost_next_eviction_ms"] == pytest.approx(0.2 * scale)
+
+
 def test_online_popularity_follows_a_shifted_distribution():
     """Half-life 16 steps: 4 half-lives (64 steps) after the shift, old routings weigh 1/16 and the learned shares
     are within 0.1 (total variation) of the new distribution."""
@@ -218,12 +234,26 @@ def test_plan_swaps_by_hand():
     assert plan_swaps({0: {}}, {0: {0: 1.0}}, 2.0, 2) == []
 
 
+def test_a_swap_must_repay_its_copy():
+    """Shares 0.003 on the host against 0.001 resident (3x): one token of top-1 touches them 0.003 and 0.001 times a
+    step, 0.002 saved, under the 1/64 a swap settled for 64 rounds must save; 100 tokens of top-4 touch them
+    1 - 0.997^400 = 0.699 and 1 - 0.999^400 = 0.330 times, 0.369 saved: swap."""
+    host, resident = {0: {5: 0.003}}, {0: {0: 0.001}}
+    one_token = lambda p: touch_probability(p, 1, 1)  # noqa: E731
+    batch = lambda p: touch_probability(p, 100, 4)  # noqa: E731
+    assert batch(0.003) - batch(0.001) == pytest.approx(0.369, abs=1e-3)
+    assert plan_swaps(host, resident, 2.0, 2, one_token, min_touch_gain=1 / 64) == []
+    assert plan_swaps(host, resident, 2.0, 2, batch, min_touch_gain=1 / 64) == [(0, 0, 5)]
+
+
 def test_swaps_follow_a_shifted_popularity_and_never_bounce():
     """Offline ranking 0.4/0.3/0.2/0.1 with expert 3 on the host; the traffic then moves to expert 3 alone."""
     popularity = ExpertPopularity(ExpertRanking({0: (0.4, 0.3, 0.2, 0.1)}), 4, half_life_steps=4, prior_routings=16)
     offloaded = {0: {3}}
     t = CostThresholds(readd_after_rounds=5, max_swaps_per_round=1)
     adjuster = CostAdjuster(popularity, 2, fake_store(offloaded), top_k=1, thresholds=t)
+    assert adjuster.adjust(0, 5, offloaded).swap == []  # nothing measured: no batch size to weigh a swap against
+    adjuster.cost.pin(tokens_per_step=64.0)
     assert adjuster.adjust(0, 5, offloaded).swap == []  # the offline order holds: 0.1 is below 2 x 0.2
     for _ in range(8):
         popularity.record(0, torch.full((64, 1), 3))
