@@ -46,14 +46,29 @@ def _block_rows(i_m, p_sorted_ids, p_block_expert, num_pairs, BLOCK_M: tl.conste
     return i_e, b_pair
 
 
-@triton.jit(do_not_specialize=["num_pairs", "top_k"])  # one compile serves every batch size and top-k
+@triton.jit
+def _tile_ids(num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr):
+    """(M block, N tile) of this program of a 1-D grid. GROUP_M 0: M blocks fastest, so programs running together
+    share an N tile of the weights (an expert's M blocks read it once between them). GROUP_M g: g M blocks sweep
+    every N tile before the next g start, so their activation rows stay in L2 across the N tiles (vLLM's grouped
+    order; at thousands of tokens the rows of one N tile's M blocks outgrow L2)."""
+    pid = tl.program_id(0)
+    if GROUP_M == 0:
+        return pid % num_m_blocks, pid // num_m_blocks
+    in_group = GROUP_M * num_n_tiles
+    first_m = (pid // in_group) * GROUP_M
+    group_size = tl.minimum(num_m_blocks - first_m, GROUP_M)
+    return first_m + (pid % in_group) % group_size, (pid % in_group) // group_size
+
+
+@triton.jit(do_not_specialize=["num_pairs", "top_k", "num_m_blocks"])  # one compile serves every batch and top-k
 def _gate_up_kernel(
     p_hidden, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_act, p_host_gate, p_host_up,
-    num_pairs, top_k, num_features, hidden_size, stride_hidden, stride_page, stride_act,
+    num_pairs, top_k, num_features, hidden_size, stride_hidden, stride_page, stride_act, num_m_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    i_m, i_n = _tile_ids(num_m_blocks, tl.cdiv(num_features, BLOCK_N), GROUP_M)
     if not PAIR_BLOCKS:
         if i_m * BLOCK_M >= tl.load(p_num_padded):
             return
@@ -94,14 +109,14 @@ def _gate_up_kernel(
     tl.store(p_out, b_act.to(p_act.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit(do_not_specialize=["num_pairs"])
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_kernel(
     p_act, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_weights, p_out, p_host_down,
-    num_pairs, num_features, hidden_size, stride_act, stride_page, stride_out,
+    num_pairs, num_features, hidden_size, stride_act, stride_page, stride_out, num_m_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    i_m, i_n = tl.program_id(0), tl.program_id(1)
+    i_m, i_n = _tile_ids(num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
     if not PAIR_BLOCKS:
         if i_m * BLOCK_M >= tl.load(p_num_padded):
             return
@@ -143,29 +158,34 @@ def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, nu
     """act[t * K + k] = silu(x_t gate_e^T) * (x_t up_e^T) for every routed pair; act [T * K, F]. `sorted_ids`
     None: one block a pair, `block_expert` the flat top-k ids (`moe_align.pair_blocks`)."""
     num_pairs, num_features = act.shape
-    grid = (block_expert.numel(), triton.cdiv(num_features, cfg["BLOCK_N"]))
+    num_m_blocks = block_expert.numel()
+    grid = (num_m_blocks * triton.cdiv(num_features, cfg["BLOCK_N"]),)
     host_gate, host_up, _ = host or (expert_view,) * 3  # without host copies the pointers are never read
     sorted_ids, num_padded, pair_blocks = _layout_pointers(sorted_ids, block_expert, num_padded)
     _gate_up_kernel[grid](
         hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act, host_gate, host_up,
         num_pairs, top_k, num_features, hidden.shape[1], hidden.stride(0), expert_view.stride(0), act.stride(0),
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], READ_HOST=host is not None,
-        PAIR_BLOCKS=pair_blocks, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_m_blocks, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        READ_HOST=host is not None, PAIR_BLOCKS=pair_blocks, GROUP_M=cfg.get("GROUP_M", 0),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
 
 
 def launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, cfg, host=None):
-    """out[t * K + k] = w_tk * (act[t * K + k] down_e^T); out [T * K, D]. `DOWN_*` keys override the tiles."""
+    """out[t * K + k] = w_tk * (act[t * K + k] down_e^T); out [T * K, D]. `DOWN_*` keys override the tiles (and
+    `GROUP_M`, the program order: `_tile_ids`)."""
     tiles = {**cfg, **{key[5:]: v for key, v in cfg.items() if key.startswith("DOWN_")}}
     num_pairs, num_features = act.shape
-    grid = (block_expert.numel(), triton.cdiv(out.shape[1], tiles["BLOCK_N"]))
+    num_m_blocks = block_expert.numel()
+    grid = (num_m_blocks * triton.cdiv(out.shape[1], tiles["BLOCK_N"]),)
     host_down = host[2] if host is not None else expert_view
     sorted_ids, num_padded, pair_blocks = _layout_pointers(sorted_ids, block_expert, num_padded)
     _down_kernel[grid](
         act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, host_down,
-        num_pairs, num_features, out.shape[1], act.stride(0), expert_view.stride(0), out.stride(0),
+        num_pairs, num_features, out.shape[1], act.stride(0), expert_view.stride(0), out.stride(0), num_m_blocks,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], READ_HOST=host is not None,
-        PAIR_BLOCKS=pair_blocks, num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        PAIR_BLOCKS=pair_blocks, GROUP_M=tiles.get("GROUP_M", 0), num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"],
     )
 
 

@@ -53,6 +53,7 @@ class CostThresholds:
     pages_per_expert: int = 3
     swap_margin: float = 2.0  # a host expert replaces its layer's coldest resident one once its share is this x larger
     max_swaps_per_round: int = 2  # each swap copies one expert in
+    swap_min_touch_gain: float | None = None  # host touches a step a swap must save; None: 1 / readd_after_rounds
 
 
 # measured / predicted link time, as far as it is trusted. Never below 1: the one ratio is set by the warmer experts
@@ -187,7 +188,7 @@ class CostAdjuster:
         """Host experts that became hotter than resident ones (online popularity), outside their cooling time: an
         expert swapped in or out stays put for `readd_after_rounds` rounds, so a swap never bounces. A swap copies
         one expert in, so it must save at least one host touch (a read or a copy of the same bytes) over those
-        rounds: a touch gain a step of 1 / `readd_after_rounds`."""
+        rounds: a touch gain a step of 1 / `readd_after_rounds` (`swap_min_touch_gain` overrides it)."""
         t, share, tokens = self.thresholds, self.popularity.probabilities, self.cost.tokens_per_step
         if not tokens:
             return []
@@ -201,8 +202,9 @@ class CostAdjuster:
                 for layer, experts in offloaded.items() if experts}  # fmt: skip
         resident = {layer: {e: share(layer)[e] for e in range(self.popularity.num_experts)
                             if e not in offloaded[layer] and movable(layer, e)} for layer in host}  # fmt: skip
+        min_gain = 1 / settled if t.swap_min_touch_gain is None else t.swap_min_touch_gain
         return plan_swaps(host, resident, t.swap_margin, t.max_swaps_per_round,
-                          lambda p: touch_probability(p, tokens, self.top_k), 1 / settled)  # fmt: skip
+                          lambda p: touch_probability(p, tokens, self.top_k), min_gain)  # fmt: skip
 
     # ---- after the forward pass --------------------------------------------------------------------------------
 

@@ -15,6 +15,8 @@
 #   decodesweep  the decode attention variants against the general kernel (sweep_decode_attention.py, ~1.5 min)
 #   opsgpu    the @pytest.mark.gpu tests of tests/ops only (~2 min)
 #   tunesmall retune the qwen1.5-moe M = 1, 2, 4 tiles into $OUT/NVIDIA_H200.json (a copy; ~3-4 min)
+#   tunelarge retune both models' M = 512..4096 tiles, GROUP_M (the program order) now in the space, into
+#             $OUT/NVIDIA_H200.json (a copy; ~7-9 min: its own call; commit it, then run `breakdown`)
 #   profile   where a decode step of 200 requests spends its time (tools/profile_step.py); PROFILE_FLAGS="--num-requests
 #             64 --gpu-memory-budget 30GiB --expert-policy fixed --offload-per-layer 8 --expert-reads copy" profiles
 #             the routing hook
@@ -74,6 +76,12 @@ tunesmall() {  # compare with ops/configs/NVIDIA_H200.json, then copy the bucket
   cp ops/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
   timeout 400 python tools/tune_kernels.py --budget-s 240 --models qwen1.5-moe --m 1 2 4 --out "$OUT/NVIDIA_H200.json" \
     2>&1 | tee "$OUT/tunesmall.txt" | tail -6
+}
+
+tunelarge() {  # compare with ops/configs/NVIDIA_H200.json; copy it back here to keep what improved
+  cp ops/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+  timeout 480 python tools/tune_kernels.py --budget-s 420 --m 512 1024 2048 4096 --out "$OUT/NVIDIA_H200.json" \
+    2>&1 | tee "$OUT/tunelarge.txt" | tail -10
 }
 
 kernels() {

@@ -4,7 +4,7 @@
 
 For each model shape and M = 1, 2, 4, ..., 4096 it tries a few BLOCK_M values (the sort depends on it, so both
 kernels share it) and, for each, times the gate/up and the down kernel separately over a small space of
-(BLOCK_N, BLOCK_K, num_warps, num_stages); the best pair is stored, the down kernel's tiles as DOWN_* keys. Times are
+(BLOCK_N, BLOCK_K, num_warps, num_stages, and at large M the program order GROUP_M); the best pair is stored, the down kernel's tiles as DOWN_* keys. Times are
 medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left when the budget
 runs out is simply not stored (the lookup then falls back to the nearest tuned M, then to the heuristic). `--m`
 retunes only the buckets named (the others stay as the table has them); a bucket's stored tiles compete with the
@@ -31,9 +31,9 @@ def search_space(tokens_per_expert):
         block_ms, tiles = [16], itertools.product([16, 32, 64], [128, 256], [2, 4], [3, 4, 6])
     elif tokens_per_expert <= 48:
         block_ms, tiles = [16, 32, 64], itertools.product([64, 128], [64, 128], [4, 8], [3])
-    else:
-        block_ms, tiles = [64, 128], itertools.product([64, 128], [64], [4, 8], [3, 4])
-    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
+    else:  # GROUP_M: the program order (`paged_moe._tile_ids`); 0 is M blocks fastest
+        block_ms, tiles = [64, 128], itertools.product([64, 128], [64], [4, 8], [3, 4], [0, 8, 32])
+    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M")
     return block_ms, [dict(zip(keys, t)) for t in tiles]
 
 
@@ -49,8 +49,9 @@ def best(fn_of_cfg, tiles, smoke=False):
 
 def stored_tiles(stored):
     """(gate/up tiles, down tiles) of a table entry, as search-space dicts."""
-    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages")
-    return {k: stored[k] for k in keys}, {k: stored.get(f"DOWN_{k}", stored[k]) for k in keys}
+    keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M")
+    entry = {"GROUP_M": 0, **stored}  # tables from before GROUP_M ran M blocks fastest
+    return {k: entry[k] for k in keys}, {k: entry.get(f"DOWN_{k}", entry[k]) for k in keys}
 
 
 def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch.bfloat16, smoke=False):

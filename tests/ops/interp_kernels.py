@@ -78,6 +78,18 @@ def test_paged_moe_identity_and_tiles(block_m):
     torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("group_m,down_group_m", [(1, 3), (3, 8), (8, 0)])
+@pytest.mark.parametrize("num_tokens", [130, 1])
+def test_paged_moe_grouped_program_order(num_tokens, group_m, down_group_m):
+    """GROUP_M only reorders the programs: every (M block, N tile) is still computed once, groups that do not divide
+    the M blocks included (3 and 5 N tiles; one token has 4 M blocks, one a pair, all of them real, where 130
+    tokens end in padding blocks)."""
+    case = moe_case(num_tokens, 60, 4, num_features=40, hidden_size=72, seed=3)
+    ref = reference.paged_moe(*case.args())
+    cfg = {**SMALL, "GROUP_M": group_m, "DOWN_GROUP_M": down_group_m}
+    torch.testing.assert_close(paged_moe_triton(*case.args(), config=cfg), ref, rtol=1e-4, atol=1e-4)
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("head_dim", [32, 24])
 def test_paged_attention_mixed(num_heads, num_kv_heads, head_dim):
