@@ -263,19 +263,25 @@ class CostAdjuster:
         link = itertools.accumulate(self._nominee_costs(offloaded, scale, costs), initial=scale * predicted)
         exposed = (exposed_seconds(seconds, hidden) for seconds in link)
         self._affordable = profitable_evictions(c.compute_s, c.running, gained, exposed)
-        touch = [touch_probability(p, num_tokens, self.top_k) for p in shares]
-        self.estimates = {
+        self.estimates = self._estimates(shares, predicted, scale, gained, costs[0] if costs else 0.0)
+
+    def _estimates(self, shares: list[float], predicted_s: float, scale: float, gained: float,
+                   next_eviction_s: float) -> dict[str, float]:  # fmt: skip
+        """The model's view for `expert_stats`, the metrics and the dashboard: why the pool moved."""
+        c = self.cost
+        touch = [touch_probability(p, c.tokens_per_step, self.top_k) for p in shares]
+        return {
             "cost_measured": 1,
             "cost_bandwidth_gb_s": c.bandwidth / 1e9,
             "cost_compute_ms": c.compute_s * 1e3,
-            "cost_tokens_per_step": num_tokens,
+            "cost_tokens_per_step": c.tokens_per_step,
             "cost_running": c.running,
             "cost_requests_per_expert": gained,
-            "cost_predicted_copy_ms": predicted * 1e3,  # for the experts offloaded now, before the calibration
+            "cost_predicted_copy_ms": predicted_s * 1e3,  # for the experts offloaded now, before the calibration
             "cost_measured_copy_ms": (self.measured_copy_s or 0.0) * 1e3,
             "cost_calibration": scale,
             "cost_affordable_evictions": self._affordable,
-            "cost_next_eviction_ms": (costs[0] if costs else 0.0) * 1e3,
+            "cost_next_eviction_ms": next_eviction_s * 1e3,
             "cost_touch_p_mean": sum(touch) / len(touch) if touch else 0.0,
             "cost_touch_p_max": max(touch, default=0.0),
             "cost_oldest_wait_s": self.oldest_wait_s,
