@@ -7,7 +7,8 @@ or for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one progr
 11-16 us for up to 4096 pairs on an H200 (10.7-15.9 us in one program up to 128) against 200-500 us for the torch
 path's ~25 small launches (eager, host bound; docs/benchmarks/kernels.json and kernels-breakdown.json). The torch
 path (argsort, cumsum, scatter) serves CPU. Both give the same layout, which the interpreter tests check. A single
-token needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair. Does not own the GEMMs
+token needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair (so do a few tokens where
+the tuned config says `PAIR_BLOCKS`). Does not own the GEMMs
 (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
@@ -199,16 +200,23 @@ def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int):
 
 
 def pair_blocks(topk_ids: torch.Tensor) -> tuple[None, torch.Tensor, None]:
-    """The layout of one block a (token, k) pair, for `rimuru.ops.paged_moe.moe_gemms`: no sort, no launch (a view of the ids). For one
-    token, whose top-k experts are distinct, it reads what the sorted layout reads: each routed expert once, in an
-    M tile of one real row either way."""
+    """The layout of one block a (token, k) pair, for `rimuru.ops.paged_moe.moe_gemms`: no sort, no launch (a view
+    of the ids). For one token, whose top-k experts are distinct, it reads what the sorted layout reads: each routed
+    expert once, in an M tile of one real row either way."""
     return None, topk_ids.reshape(-1), None
 
 
-def gemm_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int):
+def uses_pair_blocks(num_tokens: int, tuned: bool | None = None) -> bool:
+    """Whether the GEMMs run one M block a pair: as a tuned config says (`PAIR_BLOCKS`), else for one token only."""
+    return num_tokens == 1 if tuned is None else tuned
+
+
+def gemm_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int, tuned_pairs: bool | None = None):
     """The M blocks the GEMMs run: `pair_blocks` for one token, whose top-k experts are distinct (the sort took
-    15.5 us of Qwen3's 50.7 us op at one token on the H200 and bought nothing), else `align_tokens`."""
-    if topk_ids.shape[0] == 1:
+    15.5 us of Qwen3's 50.7 us op at one token on the H200 and bought nothing), or where a tuned config says so
+    (`PAIR_BLOCKS`: a few tokens, whose experts seldom repeat; an expert two pairs share is read twice), else
+    `align_tokens`."""
+    if uses_pair_blocks(topk_ids.shape[0], tuned_pairs):
         return pair_blocks(topk_ids)
     return align_tokens(topk_ids, num_experts, block_m)
 

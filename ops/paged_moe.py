@@ -228,7 +228,7 @@ def paged_moe_triton(
     assert expert_view.stride(1) == 1 and hidden.stride(1) == 1, "pages and hidden rows must be contiguous"
     cfg = config or moe_config(num_tokens, num_experts, num_features, hidden_size, top_k, hidden.device,
                                hidden.element_size())  # fmt: skip
-    sorted_ids, block_expert, num_padded = gemm_layout(topk_ids, num_experts, cfg["BLOCK_M"])
+    sorted_ids, block_expert, num_padded = gemm_layout(topk_ids, num_experts, cfg["BLOCK_M"], cfg.get("PAIR_BLOCKS"))
     # NOTE: no-ops (no launch) for what the model passes, fp32 weights from torch.topk and the int32 page table
     weights = topk_weights.to(torch.float32).contiguous()
     out = moe_gemms(hidden, expert_view, page_table.to(torch.int32).contiguous(), weights, sorted_ids,

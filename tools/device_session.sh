@@ -14,7 +14,8 @@
 #   breakdown the MoE op piece by piece under CUDA graphs, M = 1..4096 (bench_kernels.py --breakdown, ~1 min)
 #   decodesweep  the decode attention variants against the general kernel (sweep_decode_attention.py, ~1.5 min)
 #   opsgpu    the @pytest.mark.gpu tests of tests/ops only (~2 min)
-#   tunesmall retune the qwen1.5-moe M = 1, 2, 4 tiles into $OUT/NVIDIA_H200.json (a copy; ~3-4 min)
+#   tunesmall retune both models' M = 1..16 tiles and the PAIR_BLOCKS choice (the op sorted or one M block a pair) into
+#             $OUT/NVIDIA_H200.json (a copy; ~6 min)
 #   tunelarge retune both models' M = 512..4096 tiles, GROUP_M (the program order) now in the space, into
 #             $OUT/NVIDIA_H200.json (a copy; ~7-9 min: its own call; commit it, then run `breakdown`)
 #   profile   where a decode step of 200 requests spends its time (tools/profile_step.py); PROFILE_FLAGS="--num-requests
@@ -74,7 +75,7 @@ opsgpu() {  # = GPUTESTS=tests/ops gputests, with its own log
 
 tunesmall() {  # compare with ops/configs/NVIDIA_H200.json, then copy the buckets that improved
   cp ops/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
-  timeout 400 python tools/tune_kernels.py --budget-s 240 --models qwen1.5-moe --m 1 2 4 --out "$OUT/NVIDIA_H200.json" \
+  timeout 420 python tools/tune_kernels.py --budget-s 360 --m 1 2 4 8 16 --out "$OUT/NVIDIA_H200.json" \
     2>&1 | tee "$OUT/tunesmall.txt" | tail -6
 }
 

@@ -28,7 +28,7 @@ import torch
 from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton, count_chunk,
-                                  gemm_layout, pair_blocks, scatter_chunks_each)
+                                  gemm_layout, pair_blocks, scatter_chunks_each, uses_pair_blocks)
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
 
@@ -78,7 +78,7 @@ def time_align(row, ids, shape, cfg, smoke):
     """The op's sort, then the other paths where they apply: one program (up to 8 chunks), count + scatter, and one
     chunk a scatter program (where the default takes several)."""
     num_chunks = -(-ids.numel() // CHUNK)
-    if ids.shape[0] == 1:  # the op runs one block a pair there (`gemm_layout`): no sort
+    if uses_pair_blocks(ids.shape[0], cfg.get("PAIR_BLOCKS")):  # one block a pair (`gemm_layout`): no sort
         row["align_us"], row["align_path"] = 0.0, "pair blocks, no sort"
     else:
         row["align_us"] = time_graph_us(lambda: align_tokens(ids, shape["E"], cfg["BLOCK_M"]), smoke)
@@ -140,10 +140,13 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     time_casts(row, weights, table, smoke)
     aligned = gemm_layout(ids, shape["E"], cfg["BLOCK_M"])  # the op's blocks
     out = time_gemms(row, hidden, pool, table, weights, aligned, shape, cfg, smoke)
-    if 1 < num_tokens <= PAIR_BLOCK_M:  # would skipping the sort pay here too? (the op does it at M = 1)
+    if 1 < num_tokens <= PAIR_BLOCK_M:  # does skipping the sort pay here too? (the op does it at M = 1)
         unsorted = pair_blocks(ids)
         row["pair_block_gemms_us"] = time_graph_us(
             lambda: moe_gemms(hidden, pool, table, weights, *unsorted, shape["F"], cfg), smoke)
+        for pairs in (False, True):  # the whole op either way (the tuner's `PAIR_BLOCKS` choice)
+            row[f"op_pair_blocks_{str(pairs).lower()}_us"] = time_graph_us(lambda pairs=pairs: paged_moe_triton(
+                hidden, pool, table, ids, weights, shape["F"], {**cfg, "PAIR_BLOCKS": pairs}), smoke)
     time_sums(row, out, shape, smoke, copy_tb_per_s)
     whole = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"])  # noqa: E731
     row["op_us"] = time_graph_us(whole, smoke)  # as wired by default
@@ -186,6 +189,7 @@ def print_row(r, header=False):
     paths = " ".join(f"{k}:{v:.1f}" for k, v in r["align_paths_us"].items())
     if "pair_block_gemms_us" in r:
         paths += f" | pair-block gemms:{r['pair_block_gemms_us']:.1f}"
+        paths += f" | op sorted / pair blocks:{r['op_pair_blocks_false_us']:.1f} / {r['op_pair_blocks_true_us']:.1f}"
     share = {k: f" ({100 * r[f'{k}_of_copy']:.0f}%)" if f"{k}_of_copy" in r else ""
              for k in ("sum_torch", "sum_triton")}
     tiles = " ".join(f"{k}:{v:.1f}" for k, v in r.get("sum_triton_tiles_us", {}).items())

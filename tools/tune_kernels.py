@@ -4,8 +4,9 @@
 
 For each model shape and M = 1, 2, 4, ..., 4096 it tries a few BLOCK_M values (the sort depends on it, so both
 kernels share it) and, for each, times the gate/up and the down kernel separately over a small space of
-(BLOCK_N, BLOCK_K, num_warps, num_stages, and at large M the program order GROUP_M); the best pair is stored, the down kernel's tiles as DOWN_* keys. Times are
-medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left when the budget
+(BLOCK_N, BLOCK_K, num_warps, num_stages, and at large M the program order GROUP_M); the best pair is stored, the
+down kernel's tiles as DOWN_* keys. Up to 16 tokens the whole op is then timed sorted and one M block a pair, and
+`PAIR_BLOCKS` stores which won. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left when the budget
 runs out is simply not stored (the lookup then falls back to the nearest tuned M, then to the heuristic). `--m`
 retunes only the buckets named (the others stay as the table has them); a bucket's stored tiles compete with the
 search space, so a retune never stores anything slower than what it measured for them.
@@ -19,10 +20,12 @@ from pathlib import Path
 
 import torch
 
-from bench_kernels import M_VALUES, MODELS, expert_pools, routing, time_ms
+from bench_kernels import M_VALUES, MODELS, expert_pools, routing, time_graph_ms, time_ms
 from rimuru.ops.configs import CONFIG_DIR, device_file_name
 from rimuru.ops.moe_align import align_tokens
-from rimuru.ops.paged_moe import launch_down, launch_gate_up
+from rimuru.ops.paged_moe import launch_down, launch_gate_up, paged_moe_triton
+
+PAIR_LAYOUT_MAX_TOKENS = 16  # up to here the op is also timed one M block a pair (no sort): `PAIR_BLOCKS`
 
 
 def search_space(tokens_per_expert):
@@ -78,7 +81,19 @@ def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch
                                                    {"BLOCK_M": block_m, **t}), down_tiles, smoke)
         cfg = {"BLOCK_M": block_m, **gate_up, **{f"DOWN_{k}": v for k, v in down.items()}}
         choices.append((gate_up_ms + down_ms, cfg))
-    return min(choices, key=lambda c: c[0])
+    ms, cfg = min(choices, key=lambda c: c[0])
+    if 1 < num_tokens <= PAIR_LAYOUT_MAX_TOKENS and not smoke:
+        cfg["PAIR_BLOCKS"] = pair_blocks_win(hidden, pool, table, ids, weights, shape["F"], cfg)
+    return ms, cfg
+
+
+def pair_blocks_win(hidden, pool, table, ids, weights, num_features, cfg) -> bool:
+    """Whether the whole op (sort included) is faster one M block a pair than sorted, as 8 calls in a CUDA graph
+    (what a decode step's graph holds: the sort's launch is the cost, an expert two pairs share read twice)."""
+    def op(pairs):
+        return lambda: paged_moe_triton(hidden, pool, table, ids, weights, num_features, {**cfg, "PAIR_BLOCKS": pairs})
+
+    return time_graph_ms(op(True), calls=8) < time_graph_ms(op(False), calls=8)
 
 
 def main():

@@ -18,6 +18,7 @@ from ops_cases import MIXED_BATCH, attention_case, moe_case  # noqa: E402
 
 from rimuru.ops import reference  # noqa: E402
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
+from rimuru.ops import moe_align  # noqa: E402
 from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton, count_chunk  # noqa: E402
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
@@ -75,6 +76,22 @@ def test_paged_moe_identity_and_tiles(block_m):
     cfg = {"BLOCK_M": block_m, "BLOCK_N": 32, "BLOCK_K": 16, "num_warps": 4, "num_stages": 1,
            "DOWN_BLOCK_N": 16, "DOWN_BLOCK_K": 32}
     tri = paged_moe_triton(*case.args(), config=cfg)
+    torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k", [(3, 4, 2), (5, 8, 4), (17, 60, 4)])
+def test_paged_moe_pair_blocks_for_several_tokens(num_tokens, num_experts, top_k, monkeypatch):
+    """`PAIR_BLOCKS` (a tuned config's choice for a few tokens): one M block a pair, no sort, experts that several
+    tokens share read once a pair (4 experts, 3 tokens x 2: some are shared) give the sorted layout's output."""
+    case = moe_case(num_tokens, num_experts, top_k, num_features=40, hidden_size=72, seed=num_tokens)
+    assert case.topk_ids.unique().numel() < case.topk_ids.numel() or num_experts == 60
+    ref = reference.paged_moe(*case.args())
+
+    def no_sort(*args, **kwargs):
+        raise AssertionError("PAIR_BLOCKS: the op must not sort")
+
+    monkeypatch.setattr(moe_align, "align_tokens", no_sort)
+    tri = paged_moe_triton(*case.args(), config={**SMALL, "PAIR_BLOCKS": True})
     torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
 
 
