@@ -41,6 +41,21 @@ def test_paged_moe_bf16(num_tokens, num_experts, top_k, num_features, hidden_siz
     assert tri.dtype == torch.bfloat16 and rel_err(tri, ref) < 1e-2
 
 
+@pytest.mark.parametrize("num_tokens,extra", [(4, {"PAIR_BLOCKS": True}), (700, {"GROUP_M": 8, "DOWN_GROUP_M": 3})])
+def test_paged_moe_tuned_layouts_bf16(num_tokens, extra):
+    """The tuned table's layout keys compiled for the GPU: one M block a pair for a few tokens, grouped program
+    orders for many (Qwen3-30B-A3B's expert shape, half its hidden size)."""
+    from rimuru.ops.configs import moe_config
+    from rimuru.ops.paged_moe import paged_moe_triton
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    case = moe_case(num_tokens, 128, 8, 768, 1024, torch.bfloat16, "cuda", seed)
+    ref = reference.paged_moe(*as_fp32(case.args()))
+    cfg = {**moe_config(num_tokens, 128, 768, 1024, 8, "cuda"), **extra}
+    poison_allocator()
+    assert rel_err(paged_moe_triton(*case.args(), config=cfg), ref) < 1e-2
+
+
 @pytest.mark.parametrize("num_heads,num_kv_heads,head_dim", [(32, 4, 128), (8, 8, 64), (16, 2, 128)])
 @pytest.mark.parametrize("batch", ["mixed", "decode"])
 def test_paged_attention_bf16(num_heads, num_kv_heads, head_dim, batch):
