@@ -13,7 +13,8 @@ from collections import deque
 # why the pool moved: the experts on the host, and the cost adjuster's model (zeros under the paper's rule)
 ADJUSTER_FIELDS = {"offloaded_experts": "offloaded_experts", "predicted_copy_ms": "cost_predicted_copy_ms",
                    "measured_copy_ms": "cost_measured_copy_ms", "compute_ms": "cost_compute_ms",
-                   "touch_p_mean": "cost_touch_p_mean"}  # fmt: skip
+                   "touch_p_mean": "cost_touch_p_mean", "affordable_evictions": "cost_affordable_evictions",
+                   "calibration": "cost_calibration"}  # fmt: skip
 FIELDS = ("t", "expert_pages", "kv_pages", "trapped_pages", "free_pages", "expert_bytes", "kv_bytes",
           "trapped_bytes", "free_bytes", "running", "waiting", "tokens_per_s", *ADJUSTER_FIELDS)  # fmt: skip
 
