@@ -35,8 +35,9 @@
 #   memory    the activation reserve against the peaks of start-up, a 2048-token prefill and a 256-request sampled
 #             decode (tools/measure_memory.py), resident and elastic at $BUDGET; $OUT/memory-<policy>.json (~2 min)
 #   hook      the routing hook's host time and operations a layer (tools/bench_hook.py): $MODEL fixed-8 at $BUDGET, ~1 min
-#   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz: copy it to .bench/ here (tools/device_env.sh
-#             unpacks it on the device), so later calls skip the compiles
+#   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz.part-*: copy the parts to .bench/ here (and
+#             remove an older triton-cache.tar.gz; tools/device_env.sh unpacks them on the device), so later calls
+#             skip the compiles
 #   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
 #             (tools/shift_stream.py, dummy weights with --router-regimes 2, ranking profiled on the first half):
 #             fixed-8, elastic-8 and cost-8 (whose swaps follow the shift); $OUT/shift-r$RATE.tar.gz
@@ -221,9 +222,10 @@ hook() {  # no graphs captured: the hook runs outside them anyway
     --expert-policy fixed --offload-per-layer 8 --no-cuda-graphs --tokens 1 8 64 256 --out "$OUT/hook.json" 2>&1 | tail -6
 }
 
-cache() {  # last in a call: Triton's compiled kernels, to unpack into .triton-cache here and carry next time
+cache() {  # last in a call: Triton's compiled kernels, to carry in .bench next time (tools/device_env.sh unpacks them)
   [ -d "$TRITON_CACHE_DIR" ] || { echo "no Triton cache at $TRITON_CACHE_DIR"; return; }
-  tar -czf "$OUT/triton-cache.tar.gz" -C "$TRITON_CACHE_DIR" . && du -h "$OUT/triton-cache.tar.gz"
+  # NOTE: in parts of 15 MB: one file over 16 MiB does not come back (23 MB at ad6a144)
+  tar -czf - -C "$TRITON_CACHE_DIR" . | split -b 15M - "$OUT/triton-cache.tar.gz.part-" && du -ch "$OUT"/triton-cache.*
 }
 
 for job in "$@"; do
