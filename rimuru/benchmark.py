@@ -105,6 +105,8 @@ def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
         "offloaded_experts": engine.experts.num_offloaded,
         "prefetch_hits": engine.expert_manager.stats.prefetch_hits - before["experts"]["prefetch_hits"],  # cumulative
         "prefetch_misses": engine.expert_manager.stats.prefetch_misses - before["experts"]["prefetch_misses"],
+        # cumulative; one 8-byte read from the GPU a step, after sampling has synchronised anyway
+        "direct_reads": engine.expert_manager.direct_reads() - before["experts"]["direct_reads"],
     }
 
 

@@ -52,20 +52,21 @@ def plot_pool_split(records, out_dir: str) -> list[str]:
 
 
 def _prefetch_windows(record, count: int = 50):
-    """(end time, hits, misses, forward steps) in `count` windows of a run's series (records with host experts;
-    older records lack the counters). Thinned series (`series_stride`) count their stride of steps an entry."""
+    """(end time, hits, misses, direct reads, forward steps) in `count` windows of a run's series (records with host
+    experts; older records lack the counters, and before 480ab55 the direct reads). Thinned series
+    (`series_stride`) count their stride of steps an entry."""
     series = [s for s in record["series"] if "prefetch_hits" in s]
     width, stride = max(1, len(series) // count), record.get("series_stride", 1)
     for start, end in zip(series[::width], series[width::width]):
-        hits = end["prefetch_hits"] - start["prefetch_hits"]
-        yield end["t"], hits, end["prefetch_misses"] - start["prefetch_misses"], width * stride
+        hits, misses = (end[k] - start[k] for k in ("prefetch_hits", "prefetch_misses"))
+        yield end["t"], hits, misses, end.get("direct_reads", 0) - start.get("direct_reads", 0), width * stride
 
 
 def plot_hit_rate(records, out_dir: str) -> str:
     """Prefetch hit rate in windows of 1/50 of each run."""
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, record in records:
-        points = [(t, hits / (hits + misses)) for t, hits, misses, _ in _prefetch_windows(record) if hits + misses]
+        points = [(t, hits / (hits + misses)) for t, hits, misses, _, _ in _prefetch_windows(record) if hits + misses]
         if points:
             ax.plot(*zip(*points), label=f"{label} (rate {record.get('rate')})")
     ax.set(xlabel="seconds", ylabel="prefetch hit rate", title="Routed host experts found prefetched", ylim=(0, 1))
@@ -74,11 +75,14 @@ def plot_hit_rate(records, out_dir: str) -> str:
 
 
 def plot_host_touches(records, out_dir: str) -> str:
-    """Host experts routed a forward step (prefetch hits + misses), in windows of 1/50 of each run: what an
-    eviction order that follows the traffic drives down (the distribution-shift run)."""
+    """Host experts routed a forward step (prefetch hits + misses, or the reads in place), in windows of 1/50 of each
+    run: what an eviction order that follows the traffic drives down (the distribution-shift run). Runs whose
+    series lack their direct reads are left out."""
     fig, ax = plt.subplots(figsize=(8, 4))
     for label, record in records:
-        points = [(t, (hits + misses) / steps) for t, hits, misses, steps in _prefetch_windows(record)]
+        if record.get("direct_reads") and "direct_reads" not in record["series"][-1]:
+            continue
+        points = [(t, (hits + misses + reads) / steps) for t, hits, misses, reads, steps in _prefetch_windows(record)]
         if points:
             ax.plot(*zip(*points), label=f"{label} (rate {record.get('rate')})")
     ax.set(xlabel="seconds", ylabel="host experts routed a step", title="Routed experts that were on the host")
