@@ -102,6 +102,23 @@ def test_cost_adjuster_never_bounces_and_slo_overrides():
     assert adjuster.adjust(4, 0, offloaded, stalled=True).evict == [(0, 3), (0, 2)]  # nothing else frees pages
 
 
+def test_copies_hide_under_the_compute_and_direct_reads_do_not():
+    """One layer of 4 experts (1 MB, 1 GB/s: 1 ms a read), one token of top-1, a 10 ms step of 20 requests, 0.1
+    requests an expert. The two nominees are touched 0.1 and 0.2 of steps: 0.1 and 0.2 ms. Copied in, both hide
+    under the 10 ms of compute: both go. Read in place, the first costs 20 x 0.1 ms against 0.1 x 10 gained: none."""
+    def adjuster(reads_in_place):
+        popularity = ExpertPopularity(ExpertRanking({0: (0.4, 0.3, 0.2, 0.1)}), 4)
+        made = CostAdjuster(popularity, 2, fake_store({0: set()}), top_k=1, reads_in_place=reads_in_place)
+        made.cost.pin(bandwidth=1e9, compute_s=10e-3, tokens_per_step=1.0, running=20.0, kv_pages_per_request=30.0)
+        made.refresh()
+        return made.estimates
+
+    copied, read = adjuster(None), adjuster(lambda: 0)
+    assert copied["cost_requests_per_expert"] == pytest.approx(0.1)
+    assert copied["cost_next_eviction_ms"] == pytest.approx(0.1) == read["cost_next_eviction_ms"]
+    assert copied["cost_affordable_evictions"] == 2 and read["cost_affordable_evictions"] == 0
+
+
 def test_the_calibration_only_raises_the_predicted_link_time():
     """Measured link time 3x the prediction scales nominees by 3 (within the cap of 4); measured below the
     prediction leaves them as the touch model says."""
@@ -171,6 +188,11 @@ def test_cost_adjuster_changes_speed_never_tokens(family):
     direct, tokens = cost_run(folder, prompts, bandwidth=1e15, gpu_memory_budget=budget, expert_offload_limit=3,
                               expert_reads="direct")  # fmt: skip
     assert direct.expert_stats["evictions"] > 0 and direct.expert_stats["direct_reads"] > 0
+    assert tokens == expected
+    slow_link, tokens = cost_run(folder, prompts, bandwidth=1.0, gpu_memory_budget=budget, expert_offload_limit=3,
+                                 expert_reads="direct")  # fmt: skip
+    assert slow_link.expert_stats["cost_affordable_evictions"] == 0  # reads in place hide under nothing
+    assert slow_link.expert_stats["evictions"] < direct.expert_stats["evictions"]
     assert tokens == expected
 
 
