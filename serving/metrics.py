@@ -60,7 +60,8 @@ class Metrics:
         self._expert_seen = dict.fromkeys(EXPERT_COUNTERS, 0)
         self.offloaded_experts = gauge("offloaded_experts", "Routed experts on the host now.").labels(model_name)
         estimates = gauge("adjuster_estimate", "The cost adjuster's model: copy and compute ms a step, bandwidth GB/s, "
-                          "touch probability, affordable evictions, oldest wait s (0 under the paper's rule).",
+                          "touch probability, profitable evictions, oldest wait s, calibration (measured / predicted "
+                          "link time), requests an evicted expert admits (0 under the paper's rule).",
                           ["estimate"])  # fmt: skip
         self._estimates = {name: estimates.labels(model_name, name) for name in ADJUSTER_ESTIMATES}
         self._preemptions_seen = 0
