@@ -49,6 +49,19 @@ def test_moe_breakdown_runs(tmp_path):
     assert [r["M"] for r in rows if "pair_block_gemms_us" in r] == [3]
 
 
+def test_tuner_runs(tmp_path):
+    """`tools/tune_kernels.py --smoke`: a decode bucket and a large one (whose space holds GROUP_M) are tuned and
+    stored."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "table.json"
+    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "tune_kernels.py"), "--smoke", "--m", "1", "200",
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    (buckets,) = json.loads(out.read_text()).values()
+    assert sorted(buckets, key=int) == ["1", "200"] and "GROUP_M" in buckets["200"] and "DOWN_GROUP_M" in buckets["200"]
+
+
 def test_decode_attention_sweep_runs(tmp_path):
     """`tools/sweep_decode_attention.py --smoke`: every stage runs and every variant matches the reference."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
