@@ -1,5 +1,6 @@
 """PNG plots from `rimuru bench` records: concurrency over time, the pool split over time, the prefetch hit rate
-and the host experts routed a step over time, and throughput / TTFT against request rate, one line per label.
+and the host experts routed a step over time, the cost rule's view over time (records whose samples carry it), and
+throughput / TTFT against request rate, one line per label.
 
     python tools/plot_bench.py OUT_DIR resident=r5.json elastic=e5.json ...   (a label may repeat across rates)
 """
@@ -90,6 +91,39 @@ def plot_host_touches(records, out_dir: str) -> str:
     return _save(fig, out_dir, "host-touches.png")
 
 
+def plot_cost_rule(records, out_dir: str) -> list[str]:
+    """For each run of the cost rule (samples with `cost_*` fields, since 480ab55): the link time a step it
+    predicted (calibrated) and measured; the experts on the host and the evictions it found profitable; and, where
+    the samples carry the rule's inputs, the next nominee's link time against what one eviction may cost and still
+    pay (step x requests an expert admits / running requests)."""
+    paths = []
+    for index, (label, record) in enumerate(records):
+        series = [s for s in record["series"] if "cost_calibration" in s]
+        if not series:
+            continue
+        inputs = all("cost_running" in s for s in series)
+        t = [s["t"] for s in series]
+        fig, panels = plt.subplots(3 if inputs else 2, 1, figsize=(8, 8 if inputs else 6), sharex=True)
+        link, counts = panels[0], panels[1]
+        predicted = [s["cost_predicted_copy_ms"] * s["cost_calibration"] for s in series]
+        link.plot(t, predicted, label="predicted x calibration")
+        link.plot(t, [s["cost_measured_copy_ms"] for s in series], label="measured")
+        link.set(ylabel="link ms a step", title=f"The cost rule's view: {label} (rate {record.get('rate')})")
+        counts.plot(t, [s["offloaded_experts"] for s in series], label="experts on the host")
+        counts.plot(t, [s["cost_affordable_evictions"] for s in series], label="profitable evictions left")
+        counts.set(ylabel="experts")
+        if inputs:
+            pays = [s["cost_compute_ms"] * s["cost_requests_per_expert"] / max(s["cost_running"], 1e-9) for s in series]
+            panels[2].plot(t, [s["cost_next_eviction_ms"] for s in series], label="next nominee's link ms")
+            panels[2].plot(t, pays, label="what one eviction may cost (break-even)")
+            panels[2].set(ylabel="ms a step", yscale="log")
+        panels[-1].set(xlabel="seconds")
+        for panel in panels:
+            panel.legend(fontsize=7)
+        paths.append(_save(fig, out_dir, f"cost-rule-{index}-{label}.png"))
+    return paths
+
+
 def plot_against_rate(records, out_dir: str) -> str:
     """Throughput and mean TTFT per label against the request rate; all-at-once (rate 0) sits at 2x the top rate."""
     finite = [r.get("rate") for _, r in records if r.get("rate")]
@@ -125,6 +159,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     records = load(args.records)
     paths = [plot_concurrency(records, args.out_dir), *plot_pool_split(records, args.out_dir)]
     paths += [plot_hit_rate(records, args.out_dir), plot_host_touches(records, args.out_dir)]
+    paths += plot_cost_rule(records, args.out_dir)
     paths.append(plot_against_rate(records, args.out_dir))
     print("\n".join(paths))
     return paths

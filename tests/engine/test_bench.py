@@ -6,7 +6,7 @@ import random
 import sys
 from pathlib import Path
 
-from rimuru.benchmark import source_commit
+from rimuru.benchmark import SERIES_ESTIMATES, source_commit
 from rimuru.serving.cli import main
 from tests.engine.test_experts import budget_for
 
@@ -72,6 +72,11 @@ def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
     record = json.loads(out.read_text())
     counters = ("evictions", "additions", "swaps", "bytes_copied", "hook_seconds", "routing_wait_seconds")
     assert record["forward_steps"] > 0 and all(record[key] >= 0 for key in counters)
+    measured = [s for s in record["series"] if "cost_calibration" in s]  # the rule's view, once it has measured
+    assert measured and all(set(SERIES_ESTIMATES) <= s.keys() for s in measured)
+    assert record["series"][-1]["direct_reads"] == record["direct_reads"]  # cumulative, like the prefetch counters
+    paths = plot_bench.main([str(tmp_path / "plots"), f"cost={out}"])
+    assert any(p.endswith("cost-rule-0-cost.png") for p in paths)
 
 
 def test_a_time_limit_records_the_part_that_ran_and_frees_the_rest(family, tmp_path):
