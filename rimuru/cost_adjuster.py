@@ -6,7 +6,7 @@ Pure functions of measured inputs decide the counts (tested on hand-computed cas
   n experts frees the KV pages of n x `requests_per_expert` more running requests, and makes the step longer by the
   link time it is newly exposed to. Copies hidden under `ratio` x the step's compute (prefetched on a side stream)
   cost nothing; direct reads hide nothing. So an eviction is taken while (running + n g) / (step + delta_n) stays >=
-  running / step.
+  running / step, the link time weighed (1 + `eviction_band`) times: a band against the one-way ratchet of noise.
 - `plan_cost_adjustment`: short of pages -> evict what is needed, capped by the profitable count unless forced
   (a TTFT target missed, or nothing else can free pages); not short and free pages above the threshold for
   `grow_after_rounds` rounds in a row -> add back; otherwise nothing. There is no precautionary eviction.
@@ -54,6 +54,10 @@ class CostThresholds:
     swap_margin: float = 2.0  # a host expert replaces its layer's coldest resident one once its share is this x larger
     max_swaps_per_round: int = 2  # each swap copies one expert in
     swap_min_touch_gain: float | None = None  # host touches a step a swap must save; None: 1 / readd_after_rounds
+    # an eviction's link time is weighed (1 + this) times against the requests it admits. Evictions are one-way
+    # while requests wait, so noise in the estimates ratchets the split toward over-eviction; near the best split
+    # throughput is flat, so refusing the near-even evictions costs little (paper-scenario.md, skew 0.5)
+    eviction_band: float = 0.5
 
 
 # measured / predicted link time, as far as it is trusted. Never below 1: the one ratio is set by the warmer experts
@@ -63,18 +67,19 @@ CALIBRATION_RANGE = (1.0, 4.0)
 MAX_NOMINEES = 256  # nominees one refresh looks at: enough for `refresh_every` rounds of evictions
 
 
-def profitable_evictions(step_s: float, running: float, requests_per_expert: float,
-                         exposed_s: Iterable[float]) -> int:  # fmt: skip
-    """How many of the nominees (in order) may leave while the step's throughput does not fall. `exposed_s`: the
-    link seconds a step is exposed to with 0, 1, 2, ... nominees gone. With n gone the batch gains n x
+def profitable_evictions(step_s: float, running: float, requests_per_expert: float, exposed_s: Iterable[float],
+                         band: float = 0.0) -> int:  # fmt: skip
+    """How many of the nominees (in order) may leave while the step's throughput rises. `exposed_s`: the link
+    seconds a step is exposed to with 0, 1, 2, ... nominees gone. With n gone the batch gains n x
     `requests_per_expert` requests and the step `exposed_s[n] - exposed_s[0]` seconds; evict while
-    (running + n g) / (step_s + delta_n) >= running / step_s, i.e. n g step_s >= running delta_n.
-    A 10 ms step of 20 requests, 0.2 requests an expert, each nominee 0.05 ms more: 2n >= 1n, all go."""
+    (running + n g) / (step_s + delta_n) >= running / step_s, i.e. n g step_s >= running delta_n, with the cost
+    side weighed (1 + `band`) times. A 10 ms step of 20 requests, 0.2 requests an expert, each nominee 0.05 ms
+    more: 2n >= 1n, all go (and with a band of 0.5, 2n >= 1.5n)."""
     exposed = iter(exposed_s)
     now = next(exposed, None)
     count = 0
     for n, after in enumerate(exposed, start=1):
-        if n * requests_per_expert * step_s < running * (after - now):
+        if n * requests_per_expert * step_s < (1 + band) * running * (after - now):
             break
         count = n
     return count
@@ -262,7 +267,7 @@ class CostAdjuster:
         costs: list[float] = []  # the nominees' link seconds, as far as the rule read them
         link = itertools.accumulate(self._nominee_costs(offloaded, scale, costs), initial=scale * predicted)
         exposed = (exposed_seconds(seconds, hidden) for seconds in link)
-        self._affordable = profitable_evictions(c.compute_s, c.running, gained, exposed)
+        self._affordable = profitable_evictions(c.compute_s, c.running, gained, exposed, t.eviction_band)
         self.estimates = self._estimates(shares, predicted, scale, gained, costs[0] if costs else 0.0)
 
     def _estimates(self, shares: list[float], predicted_s: float, scale: float, gained: float,

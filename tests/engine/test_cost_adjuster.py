@@ -47,6 +47,8 @@ def test_direct_reads_evict_while_the_batch_gains_more_than_the_step():
     assert profitable_evictions(10e-3, running=20, requests_per_expert=0.2, exposed_s=[x + 1.0 for x in link]) == 3
     assert profitable_evictions(10e-3, running=80, requests_per_expert=0.2, exposed_s=link) == 0  # a big batch
     assert profitable_evictions(10e-3, running=20, requests_per_expert=0.2, exposed_s=[0.0]) == 0  # no nominee
+    # a band of 0.5 weighs the cost 1.5x: 2 >= 1.5, 4 >= 3.9, 6 < 7.5 -> two go
+    assert profitable_evictions(10e-3, running=20, requests_per_expert=0.2, exposed_s=link, band=0.5) == 2
 
 
 def test_expensive_copies_refuse():
