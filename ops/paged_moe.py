@@ -61,6 +61,18 @@ def _tile_ids(num_m_blocks, num_n_tiles, GROUP_M: tl.constexpr):
     return first_m + (pid % in_group) % group_size, (pid % in_group) // group_size
 
 
+@triton.jit
+def _program_tile(num_m_blocks, num_n_tiles, p_num_padded, BLOCK_M: tl.constexpr, PAIR_BLOCKS: tl.constexpr,
+                  GROUP_M: tl.constexpr):  # fmt: skip
+    """(M block, N tile, live) of this program: not live for a padding block past the sorted pairs (the buffers are
+    sized for the worst case), whose program returns before it loads anything else. Pair blocks are all live (the
+    same comparison's type either way: one compiled form of the caller's early return)."""
+    i_m, i_n = _tile_ids(num_m_blocks, num_n_tiles, GROUP_M)
+    if PAIR_BLOCKS:
+        return i_m, i_n, i_m < num_m_blocks
+    return i_m, i_n, i_m * BLOCK_M < tl.load(p_num_padded)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "top_k", "num_m_blocks"])  # one compile serves every batch and top-k
 def _gate_up_kernel(
     p_hidden, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_act, p_host_gate, p_host_up,
@@ -68,10 +80,10 @@ def _gate_up_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    i_m, i_n = _tile_ids(num_m_blocks, tl.cdiv(num_features, BLOCK_N), GROUP_M)
-    if not PAIR_BLOCKS:
-        if i_m * BLOCK_M >= tl.load(p_num_padded):
-            return
+    i_m, i_n, live = _program_tile(num_m_blocks, tl.cdiv(num_features, BLOCK_N), p_num_padded, BLOCK_M, PAIR_BLOCKS,
+                                   GROUP_M)  # fmt: skip
+    if not live:
+        return
     i_e, b_pair = _block_rows(i_m, p_sorted_ids, p_block_expert, num_pairs, BLOCK_M, PAIR_BLOCKS)
     m_m = b_pair < num_pairs
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -116,10 +128,10 @@ def _down_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
     PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    i_m, i_n = _tile_ids(num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), GROUP_M)
-    if not PAIR_BLOCKS:
-        if i_m * BLOCK_M >= tl.load(p_num_padded):
-            return
+    i_m, i_n, live = _program_tile(num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), p_num_padded, BLOCK_M, PAIR_BLOCKS,
+                                   GROUP_M)  # fmt: skip
+    if not live:
+        return
     i_e, b_pair = _block_rows(i_m, p_sorted_ids, p_block_expert, num_pairs, BLOCK_M, PAIR_BLOCKS)
     m_m = b_pair < num_pairs
     o_n = i_n * BLOCK_N + tl.arange(0, BLOCK_N)
