@@ -96,7 +96,10 @@ SERIES_ESTIMATES = ("cost_affordable_evictions", "cost_calibration", "cost_predi
 def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
     stats = engine.allocator.stats()
     estimates = getattr(engine.adjuster, "estimates", {})  # the cost rule's view, each step (adjuster="cost")
-    return {k: round(estimates[k], 4) for k in SERIES_ESTIMATES if k in estimates} | {
+    manager = engine.expert_manager
+    # direct reads, cumulative: one 8-byte read from the GPU a step, after sampling has synchronised anyway
+    reads = {"direct_reads": manager.direct_reads() - before["experts"]["direct_reads"]} if manager.direct else {}
+    return {k: round(estimates[k], 4) for k in SERIES_ESTIMATES if k in estimates} | reads | {
         "t": round(now, 4),
         "running": len(engine.scheduler.running),
         "waiting": len(engine.scheduler.waiting),
@@ -108,8 +111,6 @@ def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
         "offloaded_experts": engine.experts.num_offloaded,
         "prefetch_hits": engine.expert_manager.stats.prefetch_hits - before["experts"]["prefetch_hits"],  # cumulative
         "prefetch_misses": engine.expert_manager.stats.prefetch_misses - before["experts"]["prefetch_misses"],
-        # cumulative; one 8-byte read from the GPU a step, after sampling has synchronised anyway
-        "direct_reads": engine.expert_manager.direct_reads() - before["experts"]["direct_reads"],
     }
 
 

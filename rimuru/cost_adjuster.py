@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from rimuru.adjuster import Adjuster, ChangeList
-from rimuru.cost_model import CostModel, copy_seconds, ema, exposed_seconds, touch_probability
+from rimuru.cost_model import CostModel, copy_seconds, ema, exposed_seconds, kv_pages_freed, touch_probability
 from rimuru.popularity import ExpertPopularity
 
 
@@ -263,7 +263,7 @@ class CostAdjuster:
         predicted = copy_seconds(shares, num_tokens, self.top_k, self.expert_bytes, c.bandwidth)
         scale, self._predicted_now = self._calibration(), predicted
         hidden = 0.0 if self.reads_in_place is not None else t.copy_compute_ratio * c.compute_s
-        gained = t.pages_per_expert * self.kv_pages_per_expert_page / c.kv_pages_per_request
+        gained = kv_pages_freed(1, t.pages_per_expert, self.kv_pages_per_expert_page) / c.kv_pages_per_request
         costs: list[float] = []  # the nominees' link seconds, as far as the rule read them
         link = itertools.accumulate(self._nominee_costs(offloaded, scale, costs), initial=scale * predicted)
         exposed = (exposed_seconds(seconds, hidden) for seconds in link)
