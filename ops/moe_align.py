@@ -1,14 +1,14 @@
 """Sorting the routed (token, k) pairs per expert and padding each expert's run to the M tile, on the device.
 
 Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises with the host and a CUDA graph can hold
-it. On CUDA two Triton launches (per-chunk expert counts, then a scatter that recomputes the prefix it needs; past
-SCATTER_PROGRAMS chunks a scatter program takes a run of consecutive chunks, so the count table is read fewer times),
-or for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one program that does all of it:
-11-16 us for up to 4096 pairs on an H200 (10.7-15.9 us in one program up to 128) against 200-500 us for the torch
-path's ~25 small launches (eager, host bound; docs/benchmarks/kernels.json and kernels-breakdown.json). The torch
-path (argsort, cumsum, scatter) serves CPU. Both give the same layout, which the interpreter tests check. A single
-token needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair (so do a few tokens where
-the tuned config says `PAIR_BLOCKS`). Does not own the GEMMs
+it. On CUDA: per-chunk expert counts, then a scatter; up to SCAN_FROM_CHUNKS chunks each scatter program recomputes
+the prefix over the chunks before its own, past that one program scans the count table first (its work per program
+grew with chunks x experts: 71 us for Qwen3's 32,768 pairs on an H200 at 7ed62cc, 15.6 for Qwen1.5's 16,384), and
+for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one program does all of it (6.5-10.6 us on
+an H200, against 200-500 us for the torch path's ~25 small launches, eager and host bound;
+docs/benchmarks/kernels.md). The torch path (argsort, cumsum, scatter) serves CPU. Every path gives the same
+layout, which the interpreter tests check. A single token needs no sort: `gemm_layout` gives it `pair_blocks`, one
+M block a (token, k) pair (so do a few tokens where the tuned config says `PAIR_BLOCKS`). Does not own the GEMMs
 (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
@@ -22,17 +22,19 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 128  # pairs a program sorts; [CHUNK, E] one-hot tiles stay in registers
-# `bench_kernels.py --breakdown` on the H200 (docs/benchmarks/kernels.md): one program beats count + scatter by
-# 2.2-3.4 us at 4-64 pairs (one chunk) and loses from two chunks (15.5 vs 13.2 us at 256 pairs, 42.6 vs 19.5 at
-# 512); 64 scatter programs won at 32768 pairs with E = 128 (61.1 vs 71.1 us) and lost at 16384 with E = 60 (18.7
-# vs 15.5), so the scatter keeps one program a chunk
-SCATTER_PROGRAMS = None  # scatter programs wanted once there are more chunks; None: one program a chunk
+CHUNK = 128  # pairs a program sorts at most; [chunk, E] one-hot tiles stay in registers
 ONE_PROGRAM_CHUNKS = 1  # up to this many chunks the whole sort is one launch of one program
 # count + scatter take chunks smaller than CHUNK while that keeps at least this many programs: the [chunk, E]
 # one-hot tiles are the kernels' work (the two launches took 19.9 us for Qwen3's 512 pairs on the H200, 15 us over
 # an almost empty graph, in 128-pair chunks)
 COUNT_PROGRAMS = 16
+# a chunk's one-hot tiles hold at most this many entries: [128, 64] for Qwen1.5's 60 experts, [64, 128] for
+# Qwen3's 128. The scatter keeps several such tiles live (one-hot, its cumsum, the rows); at 8 warps a [128, 128]
+# tile is 64 int32 a thread, and Qwen3's sort took 4.5x Qwen1.5's time per pair at 4096 tokens (7ed62cc)
+TILE_ENTRIES = 128 * 64
+# from this many chunks one program scans the count table into each chunk's first rows (a third launch) instead
+# of every scatter program summing all the chunks before its own
+SCAN_FROM_CHUNKS = COUNT_PROGRAMS + 1
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -59,16 +61,15 @@ def _count_kernel(
         tl.store(p_sorted_ids + o_r, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=o_r < row_end)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks", "chunks_each"])
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
 def _scatter_kernel(
     p_ids, p_chunk_counts, p_sorted_ids, p_block_expert, p_num_padded,
-    num_pairs, num_experts, num_chunks, max_blocks, blocks_each, chunks_each,
+    num_pairs, num_experts, num_chunks, max_blocks, blocks_each,
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, PREFIX_ROWS: tl.constexpr,
 ):
-    """Each pair of chunk c goes to start[e] + (pairs of e in chunks before c) + (its rank in chunk c); a program
-    scatters `chunks_each` consecutive chunks, so the count table is read once per program, not once per chunk."""
-    i_p = tl.program_id(0)
-    c_first = i_p * chunks_each
+    """Each pair of chunk c goes to start[e] + (pairs of e in chunks before c) + (its rank in chunk c); each program
+    sums the whole count table for the starts (few chunks: `_scan_kernel` does it once for many)."""
+    i_c = tl.program_id(0)
     o_e = tl.arange(0, EXPERTS_PAD)
     b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     b_before = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
@@ -77,16 +78,57 @@ def _scatter_kernel(
         b_count = tl.load(p_chunk_counts + o_c[:, None] * EXPERTS_PAD + o_e[None, :], mask=(o_c < num_chunks)[:, None],
                           other=0)
         b_total += tl.sum(b_count, 0)
-        b_before += tl.sum(tl.where((o_c < c_first)[:, None], b_count, 0), 0)
+        b_before += tl.sum(tl.where((o_c < i_c)[:, None], b_count, 0), 0)
     b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
-    b_next = b_end - b_padded + b_before  # [E] row of each expert's next pair
-    for i_c in range(c_first, tl.minimum(c_first + chunks_each, num_chunks)):
-        b_next = _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_next, EXPERTS_PAD, CHUNK)
-    _store_block_experts(p_block_expert, b_end, i_p * blocks_each, tl.minimum(max_blocks, (i_p + 1) * blocks_each),
+    _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_end - b_padded + b_before, EXPERTS_PAD, CHUNK)
+    _store_block_experts(p_block_expert, b_end, i_c * blocks_each, tl.minimum(max_blocks, (i_c + 1) * blocks_each),
                          num_experts, BLOCK_M, CHUNK)
-    if i_p == 0:
+    if i_c == 0:
         tl.store(p_num_padded, tl.sum(b_padded, 0))
+
+
+@triton.jit(do_not_specialize=["num_chunks"])
+def _scan_kernel(p_chunk_counts, p_chunk_rows, num_chunks, BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                 SCAN_ROWS: tl.constexpr):
+    """One program: each expert's padded run from the chunk counts, then row c of `p_chunk_rows` = chunk c's first
+    row for each expert (its run's start + its pairs in chunks before c); the row after the last holds the runs'
+    ends."""
+    o_e = tl.arange(0, EXPERTS_PAD)
+    b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    for c_start in range(0, num_chunks, SCAN_ROWS):
+        o_c = c_start + tl.arange(0, SCAN_ROWS)
+        b_total += tl.sum(tl.load(p_chunk_counts + o_c[:, None] * EXPERTS_PAD + o_e[None, :],
+                                  mask=(o_c < num_chunks)[:, None], other=0), 0)
+    b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
+    b_next = b_end - b_padded  # [E] row of each expert's next pair
+    for c_start in range(0, num_chunks, SCAN_ROWS):
+        o_c = c_start + tl.arange(0, SCAN_ROWS)
+        o_tile = o_c[:, None] * EXPERTS_PAD + o_e[None, :]
+        m_c = (o_c < num_chunks)[:, None]
+        b_count = tl.load(p_chunk_counts + o_tile, mask=m_c, other=0)
+        tl.store(p_chunk_rows + o_tile, b_next[None, :] + tl.cumsum(b_count, 0) - b_count, mask=m_c)
+        b_next += tl.sum(b_count, 0)
+    tl.store(p_chunk_rows + num_chunks * EXPERTS_PAD + o_e, b_end)
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+def _scatter_scanned_kernel(
+    p_ids, p_chunk_rows, p_sorted_ids, p_block_expert, p_num_padded,
+    num_pairs, num_experts, num_chunks, max_blocks, blocks_each,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """Chunk c's pairs from its first rows (`_scan_kernel`), and this program's share of the block experts."""
+    i_c = tl.program_id(0)
+    o_e = tl.arange(0, EXPERTS_PAD)
+    _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, tl.load(p_chunk_rows + i_c * EXPERTS_PAD + o_e), EXPERTS_PAD,
+                   CHUNK)
+    b_end = tl.load(p_chunk_rows + num_chunks * EXPERTS_PAD + o_e)
+    _store_block_experts(p_block_expert, b_end, i_c * blocks_each, tl.minimum(max_blocks, (i_c + 1) * blocks_each),
+                         num_experts, BLOCK_M, CHUNK)
+    if i_c == 0:
+        tl.store(p_num_padded, tl.max(b_end, 0))
 
 
 @triton.jit
@@ -137,30 +179,29 @@ def _align_one_program_kernel(
     tl.store(p_num_padded, tl.sum(b_padded, 0))
 
 
-def one_program_chunk(num_pairs: int) -> int:
+def tile_chunk(num_experts: int) -> int:
+    """The most pairs a program's [chunk, E] one-hot tiles may hold (TILE_ENTRIES): 128 for 60 experts, 64 for 128."""
+    return min(CHUNK, max(16, TILE_ENTRIES // triton.next_power_of_2(num_experts)))
+
+
+def one_program_chunk(num_pairs: int, num_experts: int) -> int:
     """Pairs the one-program sort takes a pass: the batch's pairs to the next power of two (at least 16, at most
-    CHUNK). Its [chunk, E] one-hot tiles are the kernel's work: at 8 or 64 pairs a 128-row tile is 16x or 2x too
-    big (H200, ff88579: 15.5 us for 8 pairs with E = 128 against 10.5 with E = 64, in 128-row tiles)."""
-    return min(CHUNK, max(16, triton.next_power_of_2(num_pairs)))
+    `tile_chunk`). Its [chunk, E] one-hot tiles are the kernel's work: at 8 or 64 pairs a 128-row tile is 16x or 2x
+    too big (H200, ff88579: 15.5 us for 8 pairs with E = 128 against 10.5 with E = 64, in 128-row tiles)."""
+    return min(tile_chunk(num_experts), max(16, triton.next_power_of_2(num_pairs)))
 
 
-def count_chunk(num_pairs: int) -> int:
-    """Pairs a count (and scatter) program takes: CHUNK, or less while the chunks stay at least COUNT_PROGRAMS
-    (a power of two, at least 16): 512 pairs -> 32 a program."""
-    return min(CHUNK, max(16, triton.next_power_of_2(triton.cdiv(num_pairs, COUNT_PROGRAMS))))
+def count_chunk(num_pairs: int, num_experts: int) -> int:
+    """Pairs a count (and scatter) program takes: `tile_chunk`, or less while the chunks stay at least
+    COUNT_PROGRAMS (a power of two, at least 16): 512 pairs -> 32 a program."""
+    return min(tile_chunk(num_experts), max(16, triton.next_power_of_2(triton.cdiv(num_pairs, COUNT_PROGRAMS))))
 
 
-def scatter_chunks_each(num_chunks: int) -> int:
-    """Chunks a scatter program takes: one up to SCATTER_PROGRAMS chunks, then enough to keep that many programs
-    (each reads the whole [chunks, E] count table: 256 programs x 128 KB at 32768 pairs and E = 128)."""
-    return 1 if SCATTER_PROGRAMS is None else max(1, num_chunks // SCATTER_PROGRAMS)
-
-
-def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, chunks_each: int | None = None,
-                        one_program: bool | None = None, chunk: int | None = None):
-    """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS chunks of pairs, else in two: count
-    (one program a chunk of `count_chunk` pairs, or `chunk`), then scatter (`chunks_each` chunks a program,
-    `scatter_chunks_each` by default). `one_program` forces either path."""
+def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None,
+                        chunk: int | None = None, scan: bool | None = None):
+    """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS chunks of pairs, else count (one program
+    a chunk of `count_chunk` pairs, or `chunk`) then scatter, with a scan of the counts between the two from
+    SCAN_FROM_CHUNKS chunks. `one_program` and `scan` force a path."""
     device, num_pairs = topk_ids.device, topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
     experts_pad = triton.next_power_of_2(num_experts)
@@ -172,23 +213,31 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     if use_one_program:
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, block_expert, num_padded, num_pairs, num_experts, max_rows, block_expert.numel(),
-            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=one_program_chunk(num_pairs), num_warps=8,
+            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=one_program_chunk(num_pairs, num_experts), num_warps=8,
         )
         return sorted_ids, block_expert, num_padded
-    chunk = chunk or count_chunk(num_pairs)
+    chunk = chunk or count_chunk(num_pairs, num_experts)
     num_chunks = triton.cdiv(num_pairs, chunk)
     chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)
     _count_kernel[(num_chunks,)](
         ids, chunk_counts, sorted_ids, num_pairs, max_rows, triton.cdiv(max_rows, num_chunks),
         EXPERTS_PAD=experts_pad, CHUNK=chunk, num_warps=8,
     )
-    chunks_each = chunks_each or scatter_chunks_each(num_chunks)
-    num_programs = triton.cdiv(num_chunks, chunks_each)
-    _scatter_kernel[(num_programs,)](
-        ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks,
-        block_expert.numel(), triton.cdiv(block_expert.numel(), num_programs), chunks_each,
-        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=chunk, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
-    )
+    blocks = (block_expert.numel(), triton.cdiv(block_expert.numel(), num_chunks))  # all, and a program's share
+    use_scan = num_chunks >= SCAN_FROM_CHUNKS if scan is None else scan
+    if use_scan:
+        chunk_rows = torch.empty(num_chunks + 1, experts_pad, dtype=torch.int32, device=device)
+        _scan_kernel[(1,)](chunk_counts, chunk_rows, num_chunks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
+                           SCAN_ROWS=max(1, TILE_ENTRIES // experts_pad), num_warps=8)
+        _scatter_scanned_kernel[(num_chunks,)](
+            ids, chunk_rows, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks, *blocks,
+            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=chunk, num_warps=8,
+        )
+    else:
+        _scatter_kernel[(num_chunks,)](
+            ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks, *blocks,
+            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=chunk, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
+        )
     return sorted_ids, block_expert, num_padded
 
 

@@ -6,8 +6,8 @@
 Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs), each a captured graph of:
   floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
   align         align_tokens as the op runs it (0 at M = 1: one block a pair, no sort); align_paths: its other
-                paths (one program for the whole sort up to 8 chunks of pairs, count + scatter, one scatter program
-                a chunk against 64 programs)
+                paths (one program for the whole sort up to 8 chunks of pairs, count + scatter with each scatter
+                program summing the prefix or with one scan of the counts first, 128-pair chunks)
   casts         topk_weights.to(fp32) and page_table.to(int32); 0 and `casts_noop` when both return their input
   gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them; pair_block_gemms
                 (1 < M <= 8): both over one block a pair, unsorted (repeated experts read twice, or from L2)
@@ -27,14 +27,13 @@ import torch
 
 from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
-from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, align_tokens, align_tokens_triton, count_chunk,
-                                  gemm_layout, pair_blocks, scatter_chunks_each, uses_pair_blocks)
+from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, SCAN_FROM_CHUNKS, align_tokens, align_tokens_triton,
+                                  count_chunk, gemm_layout, pair_blocks, uses_pair_blocks)
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
 
 BREAKDOWN_M = [1, 2, 4, 8, 64, 1024, 4096]
 PAIR_BLOCK_M = 8  # up to this M the GEMMs are timed over pair blocks too (`pair_blocks`: no sort)
-CANDIDATE_SCATTER_PROGRAMS = 64  # the scatter split timed against one program a chunk
 SUM_TILES = [{"BLOCK_D": 2048, "num_warps": 8}, {"BLOCK_D": 512, "num_warps": 4}, {"BLOCK_D": 1024, "num_warps": 8}]
 
 
@@ -75,27 +74,26 @@ def point_inputs(shape, num_tokens, device, dtype):
 
 
 def time_align(row, ids, shape, cfg, smoke):
-    """The op's sort, then the other paths where they apply: one program (up to 8 chunks), count + scatter, and one
-    chunk a scatter program (where the default takes several)."""
-    num_chunks = -(-ids.numel() // CHUNK)
+    """The op's sort, then the other paths where they apply: one program (up to 8 chunks), count + scatter with the
+    prefix summed in each scatter program or scanned once, and 128-pair chunks where the op takes smaller ones."""
+    num_pairs, num_experts = ids.numel(), shape["E"]
+    num_chunks = -(-num_pairs // count_chunk(num_pairs, num_experts))
     if uses_pair_blocks(ids.shape[0], cfg.get("PAIR_BLOCKS")):  # one block a pair (`gemm_layout`): no sort
         row["align_us"], row["align_path"] = 0.0, "pair blocks, no sort"
     else:
-        row["align_us"] = time_graph_us(lambda: align_tokens(ids, shape["E"], cfg["BLOCK_M"]), smoke)
-        row["align_path"] = "one program" if num_chunks <= ONE_PROGRAM_CHUNKS else \
-            f"count + scatter, {scatter_chunks_each(num_chunks)} chunk(s) a scatter program"
+        row["align_us"] = time_graph_us(lambda: align_tokens(ids, num_experts, cfg["BLOCK_M"]), smoke)
+        row["align_path"] = "one program" if -(-num_pairs // CHUNK) <= ONE_PROGRAM_CHUNKS else \
+            "count + scan + scatter" if num_chunks >= SCAN_FROM_CHUNKS else "count + scatter"
     paths = {}
     if num_chunks <= 8:
         paths["one program"] = {"one_program": True}
-        paths["count + scatter"] = {"one_program": False}
-        if count_chunk(ids.numel()) != CHUNK:  # the smaller chunks the op takes, against 128-pair ones
-            paths[f"count + scatter, {CHUNK}-pair chunks"] = {"one_program": False, "chunk": CHUNK}
-    if num_chunks > CANDIDATE_SCATTER_PROGRAMS or smoke:
-        paths["1 chunk a scatter program"] = {"one_program": False, "chunks_each": 1}
-        paths[f"{CANDIDATE_SCATTER_PROGRAMS} scatter programs"] = {
-            "one_program": False, "chunks_each": max(1, num_chunks // CANDIDATE_SCATTER_PROGRAMS)}
+    paths["count + scatter"] = {"one_program": False, "scan": False}
+    paths["count + scan + scatter"] = {"one_program": False, "scan": True}
+    if count_chunk(num_pairs, num_experts) != CHUNK:  # the smaller chunks the op takes, against 128-pair ones
+        paths[f"count + scatter, {CHUNK}-pair chunks"] = {"one_program": False, "scan": False, "chunk": CHUNK}
+        paths[f"count + scan + scatter, {CHUNK}-pair chunks"] = {"one_program": False, "scan": True, "chunk": CHUNK}
     row["align_paths_us"] = {name: time_graph_us(
-        lambda kw=kw: align_tokens_triton(ids, shape["E"], cfg["BLOCK_M"], **kw), smoke) for name, kw in paths.items()}
+        lambda kw=kw: align_tokens_triton(ids, num_experts, cfg["BLOCK_M"], **kw), smoke) for name, kw in paths.items()}
 
 
 def time_casts(row, weights, table, smoke):

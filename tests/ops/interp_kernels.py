@@ -243,23 +243,28 @@ def test_align_tokens_either_path(num_pairs, num_experts, block_m, one_program):
 
 
 @pytest.mark.parametrize("chunk", [16, 32, 128])
-def test_align_tokens_count_and_scatter_at_every_chunk_size(chunk):
-    """Count + scatter lay the rows out the same whatever pairs a program takes; the default shrinks the chunk for
-    small batches so that about COUNT_PROGRAMS programs run (512 pairs: 32 a program)."""
+@pytest.mark.parametrize("scan", [False, True])
+def test_align_tokens_count_and_scatter_at_every_chunk_size(chunk, scan):
+    """Count + scatter lay the rows out the same whatever pairs a program takes, with the prefix summed in each
+    scatter program or scanned once; the default shrinks the chunk for small batches so that about COUNT_PROGRAMS
+    programs run (512 pairs: 32 a program), and for many experts so that a one-hot tile stays TILE_ENTRIES."""
     topk_ids = torch.randint(0, 60, (130, 4), generator=torch.Generator().manual_seed(chunk))
     ref = align_tokens_torch(topk_ids, 60, 16)
-    for a, b in zip(ref, align_tokens_triton(topk_ids, 60, 16, one_program=False, chunk=chunk)):
+    for a, b in zip(ref, align_tokens_triton(topk_ids, 60, 16, one_program=False, chunk=chunk, scan=scan)):
         assert torch.equal(a, b)
-    assert [count_chunk(n) for n in (64, 512, 1000, 4096, 32768)] == [16, 32, 64, 128, 128]
+    assert [count_chunk(n, 60) for n in (64, 512, 1000, 4096, 32768)] == [16, 32, 64, 128, 128]
+    assert [count_chunk(n, 128) for n in (64, 512, 1000, 4096, 32768)] == [16, 32, 64, 64, 64]
 
 
-@pytest.mark.parametrize("num_pairs,num_experts,chunks_each", [(9000, 4, 3), (2000, 60, 2), (1000, 128, 5),
-                                                                (20000, 128, None), (300, 5, 9)])
-def test_align_tokens_chunks_each_program(num_pairs, num_experts, chunks_each):
-    """A scatter program taking several chunks (None: the default for 157 chunks) lays the rows out the same."""
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", [(9000, 4, 16), (2000, 60, 64), (1000, 128, 16),
+                                                           (20000, 128, 128), (300, 5, 16), (16384, 60, 128)])
+@pytest.mark.parametrize("scan", [None, False, True])  # None: the path the op takes (a scan from 17 chunks)
+def test_align_tokens_with_and_without_the_scan(num_pairs, num_experts, block_m, scan):
+    """Many chunks (313 of 64 pairs for 20,000 with 128 experts): the scanned starts give the torch layout, as do
+    the starts each scatter program sums for itself."""
     topk_ids = torch.randint(0, num_experts, (num_pairs // 4, 4), generator=torch.Generator().manual_seed(num_pairs))
-    ref = align_tokens_torch(topk_ids, num_experts, 16)
-    tri = align_tokens_triton(topk_ids, num_experts, 16, chunks_each)
+    ref = align_tokens_torch(topk_ids, num_experts, block_m)
+    tri = align_tokens_triton(topk_ids, num_experts, block_m, one_program=False, scan=scan)
     for a, b in zip(ref, tri):
         assert torch.equal(a, b)
 

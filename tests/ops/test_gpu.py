@@ -133,13 +133,14 @@ def test_compile_fullgraph_inductor_cuda():
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,block_m", [(1, 128, 8, 16), (4096, 128, 8, 128),
                                                                     (777, 60, 4, 32), (3000, 60, 4, 64),
                                                                     (8, 128, 8, 16), (64, 60, 4, 16)])
-@pytest.mark.parametrize("one_program", [None, False, True])  # None: the path the op takes
-def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block_m, one_program):
+@pytest.mark.parametrize("path", [{}, {"one_program": True}, {"one_program": False, "scan": False},
+                                  {"one_program": False, "scan": True}])  # {}: the path the op takes
+def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block_m, path):
     from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton
 
     topk_ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices
     for ref, tri in zip(align_tokens_torch(topk_ids, num_experts, block_m),
-                        align_tokens_triton(topk_ids, num_experts, block_m, one_program=one_program)):
+                        align_tokens_triton(topk_ids, num_experts, block_m, **path)):
         assert torch.equal(ref, tri)
 
 
