@@ -15,8 +15,10 @@ Inside a pass, `on_routing` runs before each MoE layer's kernel:
      the host issues the copies.
 The two buffers, each `buffer_experts` experts x 3 pages inside the pool, alternate by MoE layer ordinal.
 
-With an `ExpertPopularity`, every layer's routing is also counted on the device (`count_routing`, the whole hook
-when nothing is offloaded: no host sync); `observers` see every routing too.
+With an `ExpertPopularity` or direct reads, the routing is also counted on the device, once a pass: the hook only
+keeps each layer's top-k ids (`count_routing`, the whole hook when nothing needs copying) and `end_step` counts
+them all in a few kernels (`_count_pass`: the online popularity's routings and the host experts read in place),
+not a few kernels a layer; no host sync. `observers` see every routing too.
 """
 
 import time
@@ -78,6 +80,14 @@ class ExpertManager:
         # per layer, the store's table version its working row equals; None while the row points at loading buffers
         self._row_versions: list[int | None] = list(store.versions)
         self._counts = torch.zeros(2 * store.num_experts, dtype=torch.int64, device=store.page_tables.device)
+        if popularity is not None and popularity.layer_ids != self.moe_layers:
+            raise ValueError(f"the popularity covers layers {popularity.layer_ids}, the model's MoE layers are "
+                             f"{self.moe_layers}")
+        self._pass_ids: list[tuple[int, torch.Tensor]] = []  # (layer, topk_ids [T, K]) routed this pass, uncounted
+        device = store.page_tables.device
+        self._moe_index = torch.tensor(self.moe_layers, dtype=torch.int64, device=device)  # [L] page-table rows
+        self._layer_offsets = self._moe_index.new_tensor(range(len(self.moe_layers))).view(-1, 1, 1) * store.num_experts
+        self._pass_counts = torch.zeros(len(self.moe_layers), store.num_experts, dtype=torch.int64, device=device)
         self._ones = torch.ones(0, dtype=torch.int64, device=store.page_tables.device)  # grown to the largest batch
         # a layer's working row written from the host (pinned on a GPU: a pageable copy would make the host wait for
         # everything queued on the stream, the miss copies included)
@@ -131,16 +141,39 @@ class ExpertManager:
         return self.count_routing if counts else None
 
     def count_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        reads_host = self.direct and bool(self.store.offloaded.get(layer))
-        if self.popularity is not None or reads_host:
-            routed = self._count_routed(topk_ids)  # one count serves both
-            if self.popularity is not None:
-                self.popularity.record_counts(layer, routed)
-            if reads_host:
-                on_host = self.store.page_tables[layer, :, 2] < 0  # [E]
-                self._direct_reads += (on_host & (routed > 0)).sum()
+        """Keep the layer's ids for `_count_pass` (no kernel here) and show the routing to the observers."""
+        if self.popularity is not None or self.direct:
+            self._pass_ids.append((layer, topk_ids))
         for observe in self.observers:
             observe(layer, hidden, topk_ids)
+
+    def _count_pass(self) -> None:
+        """Count the routings the hooks kept this pass: tokens a (layer, expert) into the online popularity, and with
+        direct reads each routed host expert once a layer (the tables are still the pass's: additions are published
+        and evictions applied after this). About ten kernels a pass, wherever it ran (eager or graph pieces)."""
+        kept, self._pass_ids = self._pass_ids, []
+        if not kept:
+            return
+        counts = self._routed_counts(kept)  # [L, E]
+        if self.popularity is not None:
+            self.popularity.record_all(counts)
+        if self.direct:
+            on_host = self.store.page_tables.index_select(0, self._moe_index)[:, :, 2] < 0  # [L, E]
+            self._direct_reads += (on_host & (counts > 0)).sum()
+
+    def _routed_counts(self, kept: list[tuple[int, torch.Tensor]]) -> torch.Tensor:
+        """[L, E] tokens routed to each (MoE layer, expert) in `kept`: one scatter-add over the stacked ids when
+        every MoE layer is there once, in order (a whole pass), else one a layer."""
+        counts = self._pass_counts.zero_()
+        layers = [layer for layer, _ in kept]
+        if layers == self.moe_layers and len({ids.shape for _, ids in kept}) == 1:
+            flat = (torch.stack([ids for _, ids in kept]) + self._layer_offsets).flatten()  # [L T K] into [L E]
+            counts.view(-1).index_add_(0, flat, self._ones_for(flat.numel()))
+            return counts
+        for layer, ids in kept:
+            flat = ids.flatten()
+            counts[self.ordinal[layer]].index_add_(0, flat, self._ones_for(flat.numel()))
+        return counts
 
     # ---- between passes ----------------------------------------------------------------------------------------
 
@@ -156,8 +189,10 @@ class ExpertManager:
         self.pending_swap = list(changes.swap)
 
     def end_step(self) -> None:
-        """After the pass: publish what is still pending, then evict (their pages serve the next round), then swap:
-        each swapped-in expert is copied into pages just freed, after the pass, and published during the next."""
+        """After the pass: count its routing, publish what is still pending, then evict (their pages serve the next
+        round), then swap: each swapped-in expert is copied into pages just freed, after the pass, and published
+        during the next."""
+        self._count_pass()
         for key in list(self.pending_add):
             self._publish(*key)
         for layer, expert in self.pending_evict:
@@ -204,7 +239,7 @@ class ExpertManager:
             if next_layer is not None:
                 prefetch = self._prefetch_later(next_layer, votes)
         elif self.popularity is not None:
-            self.popularity.record_counts(layer, self._count_routed(topk_ids))
+            self._pass_ids.append((layer, topk_ids))  # counted after the pass (`_count_pass`)
         self._load_routed(layer, routed & self.store.offloaded[layer], self.working_tables[layer])
         self.stats.hook_seconds += time.perf_counter() - start
         return prefetch

@@ -39,6 +39,11 @@ class ExpertPopularity:
         No host sync."""
         self.pending[self.row[layer]] += counts
 
+    def record_all(self, counts: torch.Tensor) -> None:
+        """Count a pass's routing of every layer given as per-expert counts ([L, E] int64 on the device, rows in
+        `layer_ids` order). No host sync."""
+        self.pending += counts
+
     def flush(self, num_steps: int = 1) -> None:
         """Decay the counts by `num_steps` steps and add what was recorded since the last flush (one device -> host
         copy)."""

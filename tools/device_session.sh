@@ -135,8 +135,8 @@ sweep() {
 # run_spec NAME: a policy's bench flags from its name: resident, fixedN, elasticN, costN, elastic and cost (the
 # default offload limit), each with any of the suffixes -copy (host experts copied in: the routing hook and the
 # prefetch; the default since ff88579 is direct reads), -direct (the kernels read host experts in place, as a plain
-# name does now; records before ff88579 copied) and -mixed (steps with prefill replay CUDA graphs too), e.g.
-# elastic-copy-mixed
+# name does now; records before ff88579 copied), -mixed (steps with prefill replay CUDA graphs too) and -sloS (the
+# cost rule evicts despite the cost once a request has waited S seconds: --ttft-slo S), e.g. elastic-copy-mixed, cost-slo2
 run_spec() {
   local name=$1 base=$1 extra="" flags
   while true; do
@@ -144,6 +144,7 @@ run_spec() {
       *-direct) base=${base%-direct}; extra="$extra --expert-reads direct" ;;
       *-copy) base=${base%-copy}; extra="$extra --expert-reads copy" ;;
       *-mixed) base=${base%-mixed}; extra="$extra --mixed-cuda-graphs" ;;
+      *-slo*) extra="$extra --ttft-slo ${base##*-slo}"; base=${base%-slo*} ;;
       *) break ;;
     esac
   done

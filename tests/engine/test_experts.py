@@ -137,6 +137,25 @@ def test_direct_reads_change_speed_never_tokens(family, cuda_graphs):
     assert tokens == expected
 
 
+@pytest.mark.parametrize("cuda_graphs", [False, True])
+def test_direct_reads_count_each_routed_host_expert_once_a_layer_pass(family, cuda_graphs):
+    """The reads counted after each pass (`ExpertManager._count_pass`, all layers at once) are what an observer sees
+    during it: for every layer, the routed experts that were on the host then."""
+    folder, prompts, expected = family
+    seen = []
+
+    def prepare(engine):
+        store = engine.experts
+        engine.expert_manager.observers.append(
+            lambda layer, hidden, ids: seen.append(len(set(ids.flatten().tolist()) & store.offloaded[layer])))
+
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    engine, tokens = run(folder, prompts, prepare, gpu_memory_budget=budget, expert_offload_limit=3,
+                         expert_reads="direct", cuda_graphs=cuda_graphs)  # fmt: skip
+    assert tokens == expected and engine.expert_stats["evictions"] > 0
+    assert engine.expert_manager.direct_reads() == sum(seen) > 0
+
+
 def test_prefetch_predicts_some_experts(family):
     folder, prompts, expected = family
     engine, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, 60, 4), expert_policy="fixed",
