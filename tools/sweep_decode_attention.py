@@ -22,7 +22,9 @@ Each row has the compiled kernel's shared memory and registers a thread, and the
 CUDA graph holding one call (triton.testing.do_bench, L2 flushed before each run), so no row counts host time:
 the engine runs decode steps as graphs too. One row of the target shape replays a graph of DENSE_CALLS calls and
 gives a call's share: a one-call replay carries the graph's own launch (4.7 us for an almost empty graph on the
-H200), which a step's graph pays once, not per kernel. `--eager` times the calls themselves.
+H200), which a step's graph pays once, not per kernel. Those calls read the same K/V; another row gives each call
+a K/V set of its own, as a step's graph does across layers, so no call can find its pages in L2. `--eager` times
+the calls themselves.
 """
 
 import argparse
@@ -74,14 +76,24 @@ class Sweep:
         """Whatever `rimuru::paged_attention` runs for this batch (the engine's decode path); `calls` a graph."""
         return self.measure(name, "dispatcher", lambda: (paged_attention_triton(*self.args), None), calls)
 
+    def dispatched_layers(self, name, layers):
+        """The dispatcher over `layers` input sets of their own (as a step's graph calls it, a layer's K/V each: no
+        call finds another's pages in L2), a graph of all of them, a call's share; the first set is checked."""
+        sets = [self.args] + [decode_inputs(self.args[0].shape[0], int(self.args[3][0]), self.args[0].device,
+                                            self.args[0].dtype, self.smoke)[0] for _ in range(layers - 1)]  # fmt: skip
+        return self.measure(name, "dispatcher", lambda: ([paged_attention_triton(*a) for a in sets][0], None), 1,
+                            layers)
+
     def decode(self, name, cfg):
         query, kv_view, page_table, seq_lens, _, scale = self.args
         return self.measure(name, cfg, lambda: decode_attention_triton(query, kv_view, page_table, seq_lens, scale,
                                                                        cfg, self.num_sms))
 
-    def measure(self, name, cfg, run, calls=1):
+    def measure(self, name, cfg, run, calls=1, calls_a_run=1):
+        """Check `run`'s output, then time it (`calls` runs a graph; `calls_a_run` kernel calls a run): a call's
+        share."""
         row = {"name": name, "config": cfg, "batch": self.args[0].shape[0], "context": int(self.args[3][0]),
-               "calls_a_graph": calls}
+               "calls_a_graph": calls * calls_a_run}
         try:
             out, kernel = run()
         except Exception as error:  # a tile that does not fit (shared memory, registers) is a row, not a crash
@@ -95,9 +107,9 @@ class Sweep:
             self.rows.append(row | {"error": "output differs from the reference"})
             return self.rows[-1]
         if self.graphs:
-            row["us"] = 1e3 * time_graph_ms(lambda: run(), calls)
+            row["us"] = 1e3 * time_graph_ms(lambda: run(), calls) / calls_a_run
         else:
-            row["us"] = 1e3 * time_ms(lambda: run(), self.smoke, warmup=5, rep=20)
+            row["us"] = 1e3 * time_ms(lambda: run(), self.smoke, warmup=5, rep=20) / calls_a_run
         row["tb_per_s"] = self.moved / row["us"] / 1e6
         if self.copy_tb_per_s:
             row["of_copy"] = row["tb_per_s"] / self.copy_tb_per_s
@@ -130,6 +142,7 @@ def sweep_target(sweep, smoke):
     # the same as a step's graph holds it: calls back to back (134 MB of K/V a call, well over the H200's 50 MB L2,
     # so no call finds the previous one's pages there), a call's share
     sweep.dispatched(f"dispatcher, {DENSE_CALLS} calls a graph (a call's share)", DENSE_CALLS)
+    sweep.dispatched_layers(f"dispatcher, {DENSE_CALLS} layers' K/V in one graph (a call's share)", DENSE_CALLS)
     base = (16, 4, 1) if smoke else (128, 8, 2)
     sweep.decode("decode, no flags", tile_config(base))
     for flag in ALL_FLAGS:

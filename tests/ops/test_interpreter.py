@@ -71,4 +71,4 @@ def test_decode_attention_sweep_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(out.read_text())
     rows = report["target"] + report["shapes"]
-    assert len(report["finalists"]) == 3 and len(rows) == 20 and all("us" in r for r in rows)
+    assert len(report["finalists"]) == 3 and len(rows) == 21 and all("us" in r for r in rows)
