@@ -1,15 +1,15 @@
 """Sorting the routed (token, k) pairs per expert and padding each expert's run to the M tile, on the device.
 
 Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises with the host and a CUDA graph can hold
-it. On CUDA: per-chunk expert counts, then a scatter; up to SCAN_FROM_CHUNKS chunks each scatter program recomputes
-the prefix over the chunks before its own, past that one program scans the count table first (its work per program
-grew with chunks x experts: 71 us for Qwen3's 32,768 pairs on an H200 at 7ed62cc, 15.6 for Qwen1.5's 16,384), and
-for decode batches of up to ONE_PROGRAM_CHUNKS chunks one launch of one program does all of it (6.5-10.6 us on
-an H200, against 200-500 us for the torch path's ~25 small launches, eager and host bound;
-docs/benchmarks/kernels.md). The torch path (argsort, cumsum, scatter) serves CPU. Every path gives the same
-layout, which the interpreter tests check. A single token needs no sort: `gemm_layout` gives it `pair_blocks`, one
-M block a (token, k) pair (so do a few tokens where the tuned config says `PAIR_BLOCKS`). Does not own the GEMMs
-(`rimuru.ops.paged_moe`).
+it. On CUDA: per-chunk expert counts (at most MAX_SORT_PROGRAMS programs, each a chunk of whole [tile, E] one-hot
+tiles), then a scatter; up to SCAN_FROM_CHUNKS chunks each scatter program sums the counts of the chunks before its
+own, past that one program scans the count table first (that sum grew with chunks x experts: 71 us for Qwen3's
+32,768 pairs on an H200 at 7ed62cc, 15.6 for Qwen1.5's 16,384), and for decode batches of up to ONE_PROGRAM_CHUNKS
+CHUNKs one launch of one program does all of it (6.5-10.6 us on an H200, against 200-500 us for the torch path's
+~25 small launches, eager and host bound; docs/benchmarks/kernels.md). The torch path (argsort, cumsum, scatter)
+serves CPU. Every path gives the same layout, which the interpreter tests check. A single token needs no sort:
+`gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair (so do a few tokens where the tuned config says
+`PAIR_BLOCKS`). Does not own the GEMMs (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
 
@@ -22,19 +22,23 @@ import torch
 import triton
 import triton.language as tl
 
-CHUNK = 128  # pairs a program sorts at most; [chunk, E] one-hot tiles stay in registers
-ONE_PROGRAM_CHUNKS = 1  # up to this many chunks the whole sort is one launch of one program
-# count + scatter take chunks smaller than CHUNK while that keeps at least this many programs: the [chunk, E]
+CHUNK = 128  # pairs a sort program holds in registers at most: its [tile, E] one-hot tiles
+ONE_PROGRAM_CHUNKS = 1  # up to this many CHUNKs of pairs the whole sort is one launch of one program
+# count + scatter take tiles smaller than CHUNK while that keeps at least this many programs: the [tile, E]
 # one-hot tiles are the kernels' work (the two launches took 19.9 us for Qwen3's 512 pairs on the H200, 15 us over
-# an almost empty graph, in 128-pair chunks)
+# an almost empty graph, in 128-pair tiles)
 COUNT_PROGRAMS = 16
-# a chunk's one-hot tiles hold at most this many entries: [128, 64] for Qwen1.5's 60 experts, [64, 128] for
-# Qwen3's 128. The scatter keeps several such tiles live (one-hot, its cumsum, the rows); at 8 warps a [128, 128]
-# tile is 64 int32 a thread, and Qwen3's sort took 4.5x Qwen1.5's time per pair at 4096 tokens (7ed62cc)
+# a tile holds at most this many one-hot entries: [128, 64] for Qwen1.5's 60 experts, [64, 128] for Qwen3's 128.
+# A [128, 128] tile takes 190 registers a thread at 8 warps (ptxas for sm_90, no spills): one program an SM
 TILE_ENTRIES = 128 * 64
-# from this many chunks one program scans the count table into each chunk's first rows (a third launch) instead
-# of every scatter program summing all the chunks before its own
+# count and scatter programs at most (about one wave on an H200's 132 SMs); past that a program takes several
+# tiles, which keeps the count table, and the scan of it, at MAX_SORT_PROGRAMS rows
+MAX_SORT_PROGRAMS = 128
+# from this many programs one program scans the count table into each chunk's first rows (a third launch) instead
+# of every scatter program summing all the chunks before its own: that sum grew with chunks x experts (71 us for
+# Qwen3's 32,768 pairs in 256 chunks on an H200 at 7ed62cc, 15.6 for Qwen1.5's 16,384 in 128)
 SCAN_FROM_CHUNKS = COUNT_PROGRAMS + 1
+SCAN_ENTRIES = 128 * 128  # the scan's tile: the whole table of MAX_SORT_PROGRAMS x 128 experts in one load
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -44,28 +48,55 @@ def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
     return -(-padded // block_m) * block_m
 
 
-@triton.jit(do_not_specialize=["num_pairs", "max_rows"])
-def _count_kernel(
-    p_ids, p_chunk_counts, p_sorted_ids, num_pairs, max_rows, rows_each,
-    EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
-):
-    """Pairs per expert in this program's chunk, and the pad id over this program's share of the sorted rows."""
-    i_c = tl.program_id(0)
+@triton.jit
+def _range_counts(p_ids, start, end, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr):
+    """[E] pairs of each expert among ids[start:end], TILE pairs at a time."""
     o_e = tl.arange(0, EXPERTS_PAD)
-    o_p = i_c * CHUNK + tl.arange(0, CHUNK)
-    b_ids = tl.load(p_ids + o_p, mask=o_p < num_pairs, other=EXPERTS_PAD)
-    tl.store(p_chunk_counts + i_c * EXPERTS_PAD + o_e, tl.sum((b_ids[:, None] == o_e[None, :]).to(tl.int32), 0))
+    b_count = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
+    for tile_start in range(start, end, TILE):
+        o_p = tile_start + tl.arange(0, TILE)
+        b_ids = tl.load(p_ids + o_p, mask=o_p < end, other=EXPERTS_PAD)
+        b_count += tl.sum((b_ids[:, None] == o_e[None, :]).to(tl.int32), 0)
+    return b_count
+
+
+@triton.jit
+def _scatter_range(p_ids, p_sorted_ids, start, end, b_next, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr):
+    """Rows of the pairs ids[start:end], TILE at a time: b_next[e] + rank among e's pairs since `start`; returns
+    b_next past them."""
+    o_e = tl.arange(0, EXPERTS_PAD)
+    for tile_start in range(start, end, TILE):
+        o_p = tile_start + tl.arange(0, TILE)
+        m_p = o_p < end
+        b_ids = tl.load(p_ids + o_p, mask=m_p, other=EXPERTS_PAD)
+        b_hot = (b_ids[:, None] == o_e[None, :]).to(tl.int32)  # [TILE, E]
+        b_rank = tl.sum(tl.cumsum(b_hot, 0) * b_hot, 1) - 1
+        tl.store(p_sorted_ids + tl.sum(b_hot * b_next[None, :], 1) + b_rank, o_p, mask=m_p)
+        b_next += tl.sum(b_hot, 0)
+    return b_next
+
+
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "pairs_each", "rows_each"])
+def _count_kernel(
+    p_ids, p_chunk_counts, p_sorted_ids, num_pairs, max_rows, pairs_each, rows_each,
+    EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr,
+):
+    """Pairs per expert in this program's chunk of `pairs_each`, and the pad id over its share of the sorted rows."""
+    i_c = tl.program_id(0)
+    start = i_c * pairs_each
+    b_count = _range_counts(p_ids, start, tl.minimum(start + pairs_each, num_pairs), EXPERTS_PAD, TILE)
+    tl.store(p_chunk_counts + i_c * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), b_count)
     row_end = tl.minimum(max_rows, (i_c + 1) * rows_each)
-    for start in range(i_c * rows_each, row_end, CHUNK):
-        o_r = start + tl.arange(0, CHUNK)
-        tl.store(p_sorted_ids + o_r, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=o_r < row_end)
+    for row_start in range(i_c * rows_each, row_end, TILE):
+        o_r = row_start + tl.arange(0, TILE)
+        tl.store(p_sorted_ids + o_r, tl.zeros((TILE,), dtype=tl.int32) + num_pairs, mask=o_r < row_end)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks", "pairs_each"])
 def _scatter_kernel(
     p_ids, p_chunk_counts, p_sorted_ids, p_block_expert, p_num_padded,
-    num_pairs, num_experts, num_chunks, max_blocks, blocks_each,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr, PREFIX_ROWS: tl.constexpr,
+    num_pairs, num_experts, num_chunks, max_blocks, blocks_each, pairs_each,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr, PREFIX_ROWS: tl.constexpr,
 ):
     """Each pair of chunk c goes to start[e] + (pairs of e in chunks before c) + (its rank in chunk c); each program
     sums the whole count table for the starts (few chunks: `_scan_kernel` does it once for many)."""
@@ -81,9 +112,11 @@ def _scatter_kernel(
         b_before += tl.sum(tl.where((o_c < i_c)[:, None], b_count, 0), 0)
     b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
-    _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_end - b_padded + b_before, EXPERTS_PAD, CHUNK)
+    start = i_c * pairs_each
+    _scatter_range(p_ids, p_sorted_ids, start, tl.minimum(start + pairs_each, num_pairs), b_end - b_padded + b_before,
+                   EXPERTS_PAD, TILE)
     _store_block_experts(p_block_expert, b_end, i_c * blocks_each, tl.minimum(max_blocks, (i_c + 1) * blocks_each),
-                         num_experts, BLOCK_M, CHUNK)
+                         num_experts, BLOCK_M, TILE)
     if i_c == 0:
         tl.store(p_num_padded, tl.sum(b_padded, 0))
 
@@ -93,7 +126,7 @@ def _scan_kernel(p_chunk_counts, p_chunk_rows, num_chunks, BLOCK_M: tl.constexpr
                  SCAN_ROWS: tl.constexpr):
     """One program: each expert's padded run from the chunk counts, then row c of `p_chunk_rows` = chunk c's first
     row for each expert (its run's start + its pairs in chunks before c); the row after the last holds the runs'
-    ends."""
+    ends. A table of up to SCAN_ROWS chunks is one tile (the second pass finds it in cache)."""
     o_e = tl.arange(0, EXPERTS_PAD)
     b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     for c_start in range(0, num_chunks, SCAN_ROWS):
@@ -113,43 +146,31 @@ def _scan_kernel(p_chunk_counts, p_chunk_rows, num_chunks, BLOCK_M: tl.constexpr
     tl.store(p_chunk_rows + num_chunks * EXPERTS_PAD + o_e, b_end)
 
 
-@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks"])
+@triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks", "pairs_each"])
 def _scatter_scanned_kernel(
     p_ids, p_chunk_rows, p_sorted_ids, p_block_expert, p_num_padded,
-    num_pairs, num_experts, num_chunks, max_blocks, blocks_each,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    num_pairs, num_experts, num_chunks, max_blocks, blocks_each, pairs_each,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr,
 ):
     """Chunk c's pairs from its first rows (`_scan_kernel`), and this program's share of the block experts."""
     i_c = tl.program_id(0)
     o_e = tl.arange(0, EXPERTS_PAD)
-    _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, tl.load(p_chunk_rows + i_c * EXPERTS_PAD + o_e), EXPERTS_PAD,
-                   CHUNK)
+    start = i_c * pairs_each
+    _scatter_range(p_ids, p_sorted_ids, start, tl.minimum(start + pairs_each, num_pairs),
+                   tl.load(p_chunk_rows + i_c * EXPERTS_PAD + o_e), EXPERTS_PAD, TILE)
     b_end = tl.load(p_chunk_rows + num_chunks * EXPERTS_PAD + o_e)
     _store_block_experts(p_block_expert, b_end, i_c * blocks_each, tl.minimum(max_blocks, (i_c + 1) * blocks_each),
-                         num_experts, BLOCK_M, CHUNK)
+                         num_experts, BLOCK_M, TILE)
     if i_c == 0:
         tl.store(p_num_padded, tl.max(b_end, 0))
 
 
 @triton.jit
-def _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_next, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """Rows of chunk i_c's pairs: b_next[e] + rank among e's pairs of the chunk; returns b_next past them."""
-    o_e = tl.arange(0, EXPERTS_PAD)
-    o_p = i_c * CHUNK + tl.arange(0, CHUNK)
-    m_p = o_p < num_pairs
-    b_ids = tl.load(p_ids + o_p, mask=m_p, other=EXPERTS_PAD)
-    b_hot = (b_ids[:, None] == o_e[None, :]).to(tl.int32)  # [CHUNK, E]
-    b_rank = tl.sum(tl.cumsum(b_hot, 0) * b_hot, 1) - 1
-    tl.store(p_sorted_ids + tl.sum(b_hot * b_next[None, :], 1) + b_rank, o_p, mask=m_p)
-    return b_next + tl.sum(b_hot, 0)
-
-
-@triton.jit
 def _store_block_experts(p_block_expert, b_end, block_start, block_end, num_experts, BLOCK_M: tl.constexpr,
-                         CHUNK: tl.constexpr):
+                         TILE: tl.constexpr):
     """Each block's expert in [block_start, block_end): searchsorted(b_end, block row, right), E past the last."""
-    for start in range(block_start, block_end, CHUNK):
-        o_b = start + tl.arange(0, CHUNK)
+    for start in range(block_start, block_end, TILE):
+        o_b = start + tl.arange(0, TILE)
         b_expert = tl.sum((b_end[None, :] <= (o_b * BLOCK_M)[:, None]).to(tl.int32), 1)
         tl.store(p_block_expert + o_b, tl.minimum(b_expert, num_experts), mask=o_b < block_end)
 
@@ -157,51 +178,51 @@ def _store_block_experts(p_block_expert, b_end, block_start, block_end, num_expe
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])
 def _align_one_program_kernel(
     p_ids, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows, max_blocks,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr,
 ):
     """The whole sort in one program (decode batches): count, pad, scatter and block experts, one launch."""
-    o_e = tl.arange(0, EXPERTS_PAD)
-    b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
-    for start in range(0, num_pairs, CHUNK):
-        o_p = start + tl.arange(0, CHUNK)
-        b_ids = tl.load(p_ids + o_p, mask=o_p < num_pairs, other=EXPERTS_PAD)
-        b_total += tl.sum((b_ids[:, None] == o_e[None, :]).to(tl.int32), 0)
+    b_total = _range_counts(p_ids, 0, num_pairs, EXPERTS_PAD, TILE)
     b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
-    for start in range(0, max_rows, CHUNK):
-        o_r = start + tl.arange(0, CHUNK)
-        tl.store(p_sorted_ids + o_r, tl.zeros((CHUNK,), dtype=tl.int32) + num_pairs, mask=o_r < max_rows)
+    for start in range(0, max_rows, TILE):
+        o_r = start + tl.arange(0, TILE)
+        tl.store(p_sorted_ids + o_r, tl.zeros((TILE,), dtype=tl.int32) + num_pairs, mask=o_r < max_rows)
     tl.debug_barrier()  # NOTE: the pad ids above must land before the pair ids that overwrite some of them
-    b_next = b_end - b_padded
-    for i_c in range(tl.cdiv(num_pairs, CHUNK)):
-        b_next = _scatter_chunk(p_ids, p_sorted_ids, i_c, num_pairs, b_next, EXPERTS_PAD, CHUNK)
-    _store_block_experts(p_block_expert, b_end, 0, max_blocks, num_experts, BLOCK_M, CHUNK)
+    _scatter_range(p_ids, p_sorted_ids, 0, num_pairs, b_end - b_padded, EXPERTS_PAD, TILE)
+    _store_block_experts(p_block_expert, b_end, 0, max_blocks, num_experts, BLOCK_M, TILE)
     tl.store(p_num_padded, tl.sum(b_padded, 0))
 
 
 def tile_chunk(num_experts: int) -> int:
-    """The most pairs a program's [chunk, E] one-hot tiles may hold (TILE_ENTRIES): 128 for 60 experts, 64 for 128."""
+    """The most pairs a [tile, E] one-hot tile may hold (TILE_ENTRIES): 128 for 60 experts, 64 for 128."""
     return min(CHUNK, max(16, TILE_ENTRIES // triton.next_power_of_2(num_experts)))
 
 
 def one_program_chunk(num_pairs: int, num_experts: int) -> int:
     """Pairs the one-program sort takes a pass: the batch's pairs to the next power of two (at least 16, at most
-    `tile_chunk`). Its [chunk, E] one-hot tiles are the kernel's work: at 8 or 64 pairs a 128-row tile is 16x or 2x
+    `tile_chunk`). Its [tile, E] one-hot tiles are the kernel's work: at 8 or 64 pairs a 128-row tile is 16x or 2x
     too big (H200, ff88579: 15.5 us for 8 pairs with E = 128 against 10.5 with E = 64, in 128-row tiles)."""
     return min(tile_chunk(num_experts), max(16, triton.next_power_of_2(num_pairs)))
 
 
 def count_chunk(num_pairs: int, num_experts: int) -> int:
-    """Pairs a count (and scatter) program takes: `tile_chunk`, or less while the chunks stay at least
-    COUNT_PROGRAMS (a power of two, at least 16): 512 pairs -> 32 a program."""
+    """Pairs a count (and scatter) tile holds: `tile_chunk`, or less while the tiles stay at least COUNT_PROGRAMS
+    (a power of two, at least 16): 512 pairs -> 32."""
     return min(tile_chunk(num_experts), max(16, triton.next_power_of_2(triton.cdiv(num_pairs, COUNT_PROGRAMS))))
 
 
+def sort_chunks(num_pairs: int, tile: int, max_programs: int = MAX_SORT_PROGRAMS) -> tuple[int, int]:
+    """(pairs a count and scatter program takes, programs): one tile each, or whole tiles enough for at most
+    `max_programs` programs. Qwen3 at 4096 tokens: 32,768 pairs in 64-pair tiles -> 256 pairs each, 128 programs."""
+    pairs_each = triton.cdiv(triton.cdiv(num_pairs, tile), max_programs) * tile
+    return pairs_each, triton.cdiv(num_pairs, pairs_each)
+
+
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None,
-                        chunk: int | None = None, scan: bool | None = None):
-    """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS chunks of pairs, else count (one program
-    a chunk of `count_chunk` pairs, or `chunk`) then scatter, with a scan of the counts between the two from
-    SCAN_FROM_CHUNKS chunks. `one_program` and `scan` force a path."""
+                        chunk: int | None = None, scan: bool | None = None, max_programs: int = MAX_SORT_PROGRAMS):
+    """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS CHUNKs of pairs, else count then scatter
+    (at most `max_programs` programs, each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the
+    counts between the two from SCAN_FROM_CHUNKS programs. `one_program` and `scan` force a path."""
     device, num_pairs = topk_ids.device, topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
     experts_pad = triton.next_power_of_2(num_experts)
@@ -213,30 +234,32 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     if use_one_program:
         _align_one_program_kernel[(1,)](
             ids, sorted_ids, block_expert, num_padded, num_pairs, num_experts, max_rows, block_expert.numel(),
-            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=one_program_chunk(num_pairs, num_experts), num_warps=8,
+            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, TILE=one_program_chunk(num_pairs, num_experts), num_warps=8,
         )
         return sorted_ids, block_expert, num_padded
-    chunk = chunk or count_chunk(num_pairs, num_experts)
-    num_chunks = triton.cdiv(num_pairs, chunk)
+    tile = chunk or count_chunk(num_pairs, num_experts)
+    pairs_each, num_chunks = sort_chunks(num_pairs, tile, max_programs)
     chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)
     _count_kernel[(num_chunks,)](
-        ids, chunk_counts, sorted_ids, num_pairs, max_rows, triton.cdiv(max_rows, num_chunks),
-        EXPERTS_PAD=experts_pad, CHUNK=chunk, num_warps=8,
+        ids, chunk_counts, sorted_ids, num_pairs, max_rows, pairs_each, triton.cdiv(max_rows, num_chunks),
+        EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8,
     )
-    blocks = (block_expert.numel(), triton.cdiv(block_expert.numel(), num_chunks))  # all, and a program's share
+    # all the blocks, a program's share of them, and its pairs
+    blocks = (block_expert.numel(), triton.cdiv(block_expert.numel(), num_chunks), pairs_each)
     use_scan = num_chunks >= SCAN_FROM_CHUNKS if scan is None else scan
     if use_scan:
         chunk_rows = torch.empty(num_chunks + 1, experts_pad, dtype=torch.int32, device=device)
+        scan_rows = min(triton.next_power_of_2(num_chunks), max(1, SCAN_ENTRIES // experts_pad))
         _scan_kernel[(1,)](chunk_counts, chunk_rows, num_chunks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
-                           SCAN_ROWS=max(1, TILE_ENTRIES // experts_pad), num_warps=8)
+                           SCAN_ROWS=scan_rows, num_warps=8)
         _scatter_scanned_kernel[(num_chunks,)](
             ids, chunk_rows, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks, *blocks,
-            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=chunk, num_warps=8,
+            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8,
         )
     else:
         _scatter_kernel[(num_chunks,)](
             ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks, *blocks,
-            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, CHUNK=chunk, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
+            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, TILE=tile, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
         )
     return sorted_ids, block_expert, num_padded
 

@@ -27,8 +27,9 @@ import torch
 
 from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
-from rimuru.ops.moe_align import (CHUNK, ONE_PROGRAM_CHUNKS, SCAN_FROM_CHUNKS, align_tokens, align_tokens_triton,
-                                  count_chunk, gemm_layout, pair_blocks, uses_pair_blocks)
+from rimuru.ops.moe_align import (CHUNK, MAX_SORT_PROGRAMS, ONE_PROGRAM_CHUNKS, SCAN_FROM_CHUNKS, align_tokens,
+                                  align_tokens_triton, count_chunk, gemm_layout, pair_blocks, sort_chunks,
+                                  uses_pair_blocks)
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
 
@@ -74,24 +75,31 @@ def point_inputs(shape, num_tokens, device, dtype):
 
 
 def time_align(row, ids, shape, cfg, smoke):
-    """The op's sort, then the other paths where they apply: one program (up to 8 chunks), count + scatter with the
-    prefix summed in each scatter program or scanned once, and 128-pair chunks where the op takes smaller ones."""
+    """The op's sort, then the other paths where they apply: one program (up to 8 tiles), count + scatter with the
+    prefix summed in each scatter program or scanned once, 128-pair tiles where the op takes smaller ones, and half
+    or twice the programs where the op's programs take several tiles."""
     num_pairs, num_experts = ids.numel(), shape["E"]
-    num_chunks = -(-num_pairs // count_chunk(num_pairs, num_experts))
+    tile = count_chunk(num_pairs, num_experts)
+    pairs_each, num_chunks = sort_chunks(num_pairs, tile)
     if uses_pair_blocks(ids.shape[0], cfg.get("PAIR_BLOCKS")):  # one block a pair (`gemm_layout`): no sort
         row["align_us"], row["align_path"] = 0.0, "pair blocks, no sort"
     else:
         row["align_us"] = time_graph_us(lambda: align_tokens(ids, num_experts, cfg["BLOCK_M"]), smoke)
         row["align_path"] = "one program" if -(-num_pairs // CHUNK) <= ONE_PROGRAM_CHUNKS else \
-            "count + scan + scatter" if num_chunks >= SCAN_FROM_CHUNKS else "count + scatter"
+            f"count + {'scan + ' if num_chunks >= SCAN_FROM_CHUNKS else ''}scatter, {num_chunks} programs of " \
+            f"{pairs_each // tile} {tile}-pair tile(s)"
     paths = {}
     if num_chunks <= 8:
         paths["one program"] = {"one_program": True}
     paths["count + scatter"] = {"one_program": False, "scan": False}
     paths["count + scan + scatter"] = {"one_program": False, "scan": True}
-    if count_chunk(num_pairs, num_experts) != CHUNK:  # the smaller chunks the op takes, against 128-pair ones
-        paths[f"count + scatter, {CHUNK}-pair chunks"] = {"one_program": False, "scan": False, "chunk": CHUNK}
-        paths[f"count + scan + scatter, {CHUNK}-pair chunks"] = {"one_program": False, "scan": True, "chunk": CHUNK}
+    if tile != CHUNK:  # the smaller tiles the op takes, against 128-pair ones
+        paths[f"count + scatter, {CHUNK}-pair tiles"] = {"one_program": False, "scan": False, "chunk": CHUNK}
+        paths[f"count + scan + scatter, {CHUNK}-pair tiles"] = {"one_program": False, "scan": True, "chunk": CHUNK}
+    if pairs_each > tile or smoke:  # programs of several tiles: fewer of them, or more
+        for programs in (MAX_SORT_PROGRAMS // 2, 2 * MAX_SORT_PROGRAMS):
+            paths[f"count + scan + scatter, {programs} programs at most"] = {
+                "one_program": False, "scan": True, "max_programs": programs}
     row["align_paths_us"] = {name: time_graph_us(
         lambda kw=kw: align_tokens_triton(ids, num_experts, cfg["BLOCK_M"], **kw), smoke) for name, kw in paths.items()}
 
