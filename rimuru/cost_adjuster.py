@@ -37,7 +37,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 from rimuru.adjuster import Adjuster, ChangeList
-from rimuru.cost_model import CostModel, copy_seconds, ema, exposed_seconds, kv_pages_freed, touch_probability
+from rimuru.cost_model import (CostModel, copy_seconds, ema, exposed_seconds, kv_pages_freed, touch_probabilities,
+                               touch_probability)
 from rimuru.popularity import ExpertPopularity
 
 
@@ -64,7 +65,9 @@ class CostThresholds:
 # already offloaded, while the cold nominees' shares come from few routings and were underestimated on the H200
 # (ratios of 1.5-4 at router skew 1.0; 0.64-0.8 at skew 0.5 let the rule over-evict, paper-scenario.md)
 CALIBRATION_RANGE = (1.0, 4.0)
-MAX_NOMINEES = 256  # nominees one refresh looks at: enough for `refresh_every` rounds of evictions
+# nominees one refresh weighs (each a few us of host time, in the gap between two steps); when all of them pass and
+# evictions use up half before the next refresh, `observe` refreshes at once
+MAX_NOMINEES = 64
 
 
 def profitable_evictions(step_s: float, running: float, requests_per_expert: float, exposed_s: Iterable[float],
@@ -145,6 +148,7 @@ class CostAdjuster:
         self.estimates: dict[str, float] = {}
         self.cost.observe_copies(*store.copier.take_timings())  # start-up placement: the first bandwidth sample
         self._affordable = 0
+        self._all_nominees_passed = False  # the last refresh stopped at MAX_NOMINEES, not at an unprofitable one
         self.refresh()
 
     @property
@@ -203,10 +207,14 @@ class CostAdjuster:
             swapped = self.swapped_in_at.get((layer, expert))
             return not self._cooling(layer, expert) and (swapped is None or self.round - swapped >= settled)
 
-        host = {layer: {e: share(layer)[e] for e in experts if movable(layer, e)}
-                for layer, experts in offloaded.items() if experts}  # fmt: skip
-        resident = {layer: {e: share(layer)[e] for e in range(self.popularity.num_experts)
-                            if e not in offloaded[layer] and movable(layer, e)} for layer in host}  # fmt: skip
+        host, resident = {}, {}
+        for layer, experts in offloaded.items():
+            if experts:
+                shares, count = share(layer), t.max_swaps_per_round
+                hottest = sorted(experts, key=lambda e: (-shares[e], e))
+                host[layer] = _ends(hottest, shares, lambda e: movable(layer, e), count)
+                coldest = reversed(self.popularity.hottest_first(layer))
+                resident[layer] = _ends(coldest, shares, lambda e: e not in experts and movable(layer, e), count)
         min_gain = 1 / settled if t.swap_min_touch_gain is None else t.swap_min_touch_gain
         return plan_swaps(host, resident, t.swap_margin, t.max_swaps_per_round,
                           lambda p: touch_probability(p, tokens, self.top_k), min_gain)  # fmt: skip
@@ -231,6 +239,8 @@ class CostAdjuster:
             self.popularity.flush(self._unflushed)
             self._unflushed = 0
             self.refresh()
+        elif self._all_nominees_passed and self._affordable < MAX_NOMINEES // 2:
+            self.refresh()  # the next nominees, before the scheduler runs out of evictions it may wait for
 
     def _observe_copy_seconds(self, seconds: float) -> None:
         """The measured link seconds a step, and beside it (averaged alike, so both lag alike) the prediction for
@@ -268,13 +278,14 @@ class CostAdjuster:
         link = itertools.accumulate(self._nominee_costs(offloaded, scale, costs), initial=scale * predicted)
         exposed = (exposed_seconds(seconds, hidden) for seconds in link)
         self._affordable = profitable_evictions(c.compute_s, c.running, gained, exposed, t.eviction_band)
+        self._all_nominees_passed = self._affordable == len(costs) == MAX_NOMINEES
         self.estimates = self._estimates(shares, predicted, scale, gained, costs[0] if costs else 0.0)
 
     def _estimates(self, shares: list[float], predicted_s: float, scale: float, gained: float,
                    next_eviction_s: float) -> dict[str, float]:  # fmt: skip
         """The model's view for `expert_stats`, the metrics and the dashboard: why the pool moved."""
         c = self.cost
-        touch = [touch_probability(p, c.tokens_per_step, self.top_k) for p in shares]
+        touch = touch_probabilities(shares, c.tokens_per_step, self.top_k)
         return {
             "cost_measured": 1,
             "cost_bandwidth_gb_s": c.bandwidth / 1e9,
@@ -310,3 +321,14 @@ class CostAdjuster:
         low, high = CALIBRATION_RANGE
         return min(high, max(low, self.measured_copy_s / self.predicted_copy_s))
 
+
+def _ends(order: Iterable[int], shares: Sequence[float], wanted: Callable[[int], bool], count: int) -> dict[int, float]:
+    """{expert: share} of the first `count` experts in `order` that are `wanted`, and any wanted ones after them of
+    the same share as the last (`plan_swaps` breaks such ties by id): all that one layer's pairing can reach."""
+    picked: dict[int, float] = {}
+    for expert in order:
+        if len(picked) >= count and shares[expert] != shares[next(reversed(picked))]:
+            break
+        if wanted(expert):
+            picked[expert] = shares[expert]
+    return picked

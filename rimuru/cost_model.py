@@ -29,9 +29,15 @@ def touch_probability(share: float, num_tokens: float, top_k: int) -> float:
     return 1.0 - (1.0 - share) ** (num_tokens * top_k)
 
 
+def touch_probabilities(shares: list[float], num_tokens: float, top_k: int) -> list[float]:
+    """`touch_probability` of each share, in one pass (hundreds of shares a refresh, between two steps)."""
+    draws = num_tokens * top_k
+    return [1.0 - (1.0 - min(max(p, 0.0), 1.0)) ** draws for p in shares]
+
+
 def copy_seconds(shares: list[float], num_tokens: float, top_k: int, expert_bytes: int, bandwidth: float) -> float:
     """Predicted copy time a step spends on offloaded experts of these routing shares."""
-    return sum(touch_probability(p, num_tokens, top_k) for p in shares) * expert_bytes / bandwidth
+    return sum(touch_probabilities(shares, num_tokens, top_k)) * expert_bytes / bandwidth
 
 
 def exposed_seconds(link_s: float, hidden_s: float) -> float:

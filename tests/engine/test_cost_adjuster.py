@@ -6,9 +6,12 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from rimuru import LLM
-from rimuru.cost_adjuster import CostAdjuster, CostThresholds, plan_cost_adjustment, plan_swaps, profitable_evictions
+from rimuru.cost_adjuster import (MAX_NOMINEES, CostAdjuster, CostThresholds, plan_cost_adjustment, plan_swaps,
+                                  profitable_evictions)
 from rimuru.cost_model import copy_seconds, exposed_seconds, kv_pages_freed, touch_probability
 from rimuru.expert_ranking import ExpertRanking
 from rimuru.popularity import ExpertPopularity
@@ -76,9 +79,10 @@ def test_growth_waits_for_pages_to_stay_free():
     assert plan_cost_adjustment(0, 9, 0, False, free_rounds=9, t=t) == (0, 0)
 
 
-def fake_store(offloaded: dict[int, set[int]]):
-    return SimpleNamespace(host={0: SimpleNamespace(matrices=lambda e: [torch.zeros(250_000)])}, layer_ids=[0],
-                           copier=SimpleNamespace(take_timings=lambda: (0, 0.0)), offloaded=offloaded)  # fmt: skip
+def fake_store(offloaded: dict[int, set[int]], layers=(0,)):
+    host = {layer: SimpleNamespace(matrices=lambda e: [torch.zeros(250_000)]) for layer in layers}
+    return SimpleNamespace(host=host, layer_ids=list(layers), copier=SimpleNamespace(take_timings=lambda: (0, 0.0)),
+                           offloaded=offloaded)  # fmt: skip
 
 
 def test_cost_adjuster_never_bounces_and_slo_overrides():
@@ -119,6 +123,24 @@ def test_copies_hide_under_the_compute_and_direct_reads_do_not():
     assert copied["cost_requests_per_expert"] == pytest.approx(0.1)
     assert copied["cost_next_eviction_ms"] == pytest.approx(0.1) == read["cost_next_eviction_ms"]
     assert copied["cost_affordable_evictions"] == 2 and read["cost_affordable_evictions"] == 0
+
+
+def test_a_refresh_weighs_max_nominees_and_the_next_ones_come_before_they_run_out():
+    """200 experts, each free to evict (a huge link): a refresh weighs MAX_NOMINEES of them and allows them all;
+    once evictions have used up half, the next step's `observe` weighs the next ones at once, not 8 rounds later."""
+    num_experts = 200
+    popularity = ExpertPopularity(ExpertRanking({0: tuple([1 / num_experts] * num_experts)}), num_experts)
+    offloaded = {0: set()}
+    adjuster = CostAdjuster(popularity, 150, fake_store(offloaded), top_k=1)
+    adjuster.cost.pin(bandwidth=1e15, compute_s=1e-2, tokens_per_step=1.0, running=10.0, kv_pages_per_request=3.0)
+    adjuster.refresh()
+    assert adjuster.reclaimable_experts(offloaded) == MAX_NOMINEES  # not the cap's 150: the rest is not weighed yet
+    evicted = adjuster.adjust(3 * (MAX_NOMINEES // 2 + 1) - 1, 0, offloaded).evict  # short by 33 experts' pages
+    assert len(evicted) == MAX_NOMINEES // 2 + 1
+    offloaded[0] |= {expert for _, expert in evicted}  # what `end_step` does
+    assert adjuster.reclaimable_experts(offloaded) == MAX_NOMINEES // 2 - 1
+    adjuster.observe(1e-2, 1, running=10, kv_pages=30)
+    assert adjuster.reclaimable_experts(offloaded) == MAX_NOMINEES and adjuster._unflushed == 1  # no flush
 
 
 def test_the_calibration_only_raises_the_predicted_link_time():
@@ -291,6 +313,38 @@ def test_swaps_follow_a_shifted_popularity_and_never_bounce():
     # expert 2 cools for 5 rounds after its eviction; then the coldest resident (expert 1, 0.3 of the old counts)
     assert [adjuster.adjust(0, 5, offloaded).swap for _ in range(5)] == [[], [], [], [], [(0, 1, 2)]]
     assert adjuster.adjust(8, 0, offloaded).swap == []  # short of pages: no swap
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_swaps_read_only_each_layers_ends_and_find_what_the_full_lists_find(data):
+    """`CostAdjuster._swaps` hands `plan_swaps` only the hottest host and coldest resident experts a layer can pair
+    (ties included); on random shares (many tied), placements and cooling it returns what all of them give."""
+    num_layers, num_experts = data.draw(st.integers(1, 3)), data.draw(st.integers(2, 8))
+    levels = st.sampled_from([0.01, 0.02, 0.05, 0.1, 0.3])  # few values: ties
+    shares = {layer: data.draw(st.lists(levels, min_size=num_experts, max_size=num_experts))
+              for layer in range(num_layers)}  # fmt: skip
+    ranking = ExpertRanking({layer: tuple(v / sum(row) for v in row) for layer, row in shares.items()})
+    offloaded = {layer: set(data.draw(st.lists(st.integers(0, num_experts - 1), max_size=num_experts)))
+                 for layer in range(num_layers)}  # fmt: skip
+    t = CostThresholds(swap_margin=data.draw(st.sampled_from([1.0, 1.5, 2.0])), max_swaps_per_round=data.draw(
+        st.integers(1, 3)), readd_after_rounds=4, swap_min_touch_gain=-1.0)
+    popularity = ExpertPopularity(ranking, num_experts)
+    adjuster = CostAdjuster(popularity, num_experts, fake_store(offloaded, range(num_layers)), top_k=1, thresholds=t)
+    adjuster.cost.pin(tokens_per_step=4.0)
+    adjuster.round = 10
+    for layer in range(num_layers):  # some experts still cooling or settling
+        for expert in data.draw(st.lists(st.integers(0, num_experts - 1), max_size=2)):
+            adjuster.evicted_at[(layer, expert)] = data.draw(st.sampled_from([2, 8]))
+    share = popularity.probabilities
+    movable = {(layer, e) for layer in range(num_layers) for e in range(num_experts)
+               if not adjuster._cooling(layer, e)}  # fmt: skip
+    host = {layer: {e: share(layer)[e] for e in experts if (layer, e) in movable}
+            for layer, experts in offloaded.items() if experts}  # fmt: skip
+    resident = {layer: {e: share(layer)[e] for e in range(num_experts) if e not in offloaded[layer]
+                        and (layer, e) in movable} for layer in host}  # fmt: skip
+    expected = plan_swaps(host, resident, t.swap_margin, t.max_swaps_per_round, min_touch_gain=-1.0)
+    assert adjuster._swaps(offloaded) == expected
 
 
 def test_swaps_change_speed_never_tokens(family):
