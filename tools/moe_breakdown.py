@@ -13,6 +13,8 @@ Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs)
                 (1 < M <= 8): both over one block a pair, unsorted (repeated experts read twice, or from L2)
   sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
   op            the whole op as wired by default; op_torch_sum and op_triton_sum: with each top-k sum
+  op_layers     (M = 1 and 8) the op's share of a graph of 8 calls over 8 expert pools, as a step's graph holds it
+                (the replay paid once, no weights shared in L2); at M = 1 also as a share of the copy rate
   unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one;
                 1 * floor at M = 1, where no sort is timed)
 Times are medians of CUDA events around graph replays (triton.testing.do_bench: L2 flushed before each replay, so
@@ -35,6 +37,7 @@ from rimuru.ops.topk_sum import topk_sum_triton
 
 BREAKDOWN_M = [1, 2, 4, 8, 64, 1024, 4096]
 PAIR_BLOCK_M = 8  # up to this M the GEMMs are timed over pair blocks too (`pair_blocks`: no sort)
+LAYER_CALLS, LAYER_CALLS_M = 8, (1, 8)  # at these M the op is also timed as 8 calls in one graph, a pool each
 SUM_TILES = [{"BLOCK_D": 2048, "num_warps": 8}, {"BLOCK_D": 512, "num_warps": 4}, {"BLOCK_D": 1024, "num_warps": 8}]
 
 
@@ -163,10 +166,26 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
             outputs[label] = whole().float()
     ref = outputs["torch_sum"]
     row["op_rel_diff_vs_torch_sum"] = ((outputs["triton_sum"] - ref).norm() / ref.norm()).item()
+    if num_tokens in LAYER_CALLS_M or smoke:
+        time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s)
     pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_torch_us"]
     floors = 2 if row["align_us"] else 1  # pieces timed alone, less the op's own replay
     row["unexplained_us"] = row["op_torch_sum_us"] - pieces + floors * floor_us
     return row
+
+
+def time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s):
+    """The op's share of a graph of LAYER_CALLS calls, each over an expert pool of its own, as a decode step's graph
+    holds one a layer: the replay's own cost is paid once, and no call finds another's weights in L2. At M = 1 also
+    as a share of the copy rate over the routed experts' bytes (the memory roofline)."""
+    layers = [pools[:2]] + [expert_pools(shape, device, dtype, seed=i)[:2] for i in range(1, LAYER_CALLS)]
+    def calls():
+        return [paged_moe_triton(hidden, pool, table, ids, weights, shape["F"]) for pool, table in layers]
+
+    row["op_layers_us"] = time_graph_us(calls, smoke) / LAYER_CALLS
+    if copy_tb_per_s and ids.shape[0] == 1:
+        routed = ids.numel() * 3 * shape["F"] * shape["D"] * pools[0].element_size()
+        row["op_layers_of_copy"] = routed / (row["op_layers_us"] * 1e6) / copy_tb_per_s
 
 
 def graph_floor_us(device, smoke):
@@ -193,6 +212,9 @@ def print_row(r, header=False):
         print("model M pairs | align casts | gate_up down gemms | sum torch (copy%) triton (copy%) |"
               " op op_torch_sum op_triton_sum | unexplained | sum tiles | other sort paths")
     paths = " ".join(f"{k}:{v:.1f}" for k, v in r["align_paths_us"].items())
+    if "op_layers_us" in r:
+        of_copy = f" ({100 * r['op_layers_of_copy']:.0f}% of copy)" if "op_layers_of_copy" in r else ""
+        paths += f" | op, {LAYER_CALLS} layers a graph:{r['op_layers_us']:.1f}{of_copy}"
     if "pair_block_gemms_us" in r:
         paths += f" | pair-block gemms:{r['pair_block_gemms_us']:.1f}"
         paths += f" | op sorted / pair blocks:{r['op_pair_blocks_false_us']:.1f} / {r['op_pair_blocks_true_us']:.1f}"
