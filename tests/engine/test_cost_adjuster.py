@@ -220,6 +220,24 @@ def test_cost_adjuster_changes_speed_never_tokens(family):
     assert tokens == expected
 
 
+@pytest.mark.parametrize("bandwidth", [1e15, 1.0])
+def test_the_cost_rule_starts_and_serves_where_the_experts_do_not_fit(family, bandwidth):
+    """A budget 4 experts short of the weights: elastic starts with the coldest on the host, and the cost rule then
+    serves the same tokens whether evictions are free or every read costs a second (then only a stalled round, one
+    request running, evicts)."""
+    folder, prompts, expected = family
+    engine = LLM(folder, progress=False, expert_policy="resident").engine
+    expert_bytes = 3 * engine.pool.sizes.expert_page_bytes
+    del engine
+    budget = budget_for(folder, kv_tokens=60, offload=0) - 4 * expert_bytes  # direct reads: no loading buffers
+    engine, tokens = cost_run(folder, prompts, bandwidth, gpu_memory_budget=budget, expert_offload_limit=3,
+                              expert_reads="direct")  # fmt: skip
+    stats = engine.expert_stats
+    assert stats["offloaded_experts"] >= 4 and stats["direct_reads"] > 0
+    assert stats["cost_affordable_evictions"] == 0 or bandwidth > 1.0
+    assert tokens == expected
+
+
 def test_with_direct_reads_the_measured_cost_is_the_reads_counted(family):
     """Direct reads copy nothing per step: the measured side of the cost model is the host reads the manager counted,
     an expert's bytes each over the measured bandwidth (3 reads a step of E bytes at 1 GB/s: 3E / 1e9 s)."""
