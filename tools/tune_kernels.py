@@ -34,8 +34,9 @@ def search_space(tokens_per_expert):
         block_ms, tiles = [16], itertools.product([16, 32, 64], [128, 256], [2, 4], [3, 4, 6])
     elif tokens_per_expert <= 48:
         block_ms, tiles = [16, 32, 64], itertools.product([64, 128], [64, 128], [4, 8], [3])
-    else:  # GROUP_M: the program order (`paged_moe._tile_ids`); 0 is M blocks fastest
-        block_ms, tiles = [64, 128], itertools.product([64, 128], [64], [4, 8], [3, 4], [0, 8, 32])
+    else:  # GROUP_M: the program order (`paged_moe._tile_ids`); 0 is M blocks fastest (8 won the down GEMM at
+        # M = 1024-4096 on the H200 and lost gate/up at 4096 to 0, 7ed62cc: 4 and 16 lie between)
+        block_ms, tiles = [64, 128], itertools.product([64, 128], [64], [4, 8], [3, 4], [0, 4, 8, 16, 32])
     keys = ("BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "GROUP_M")
     return block_ms, [dict(zip(keys, t)) for t in tiles]
 
