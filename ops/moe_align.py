@@ -223,45 +223,49 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
     """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS CHUNKs of pairs, else count then scatter
     (at most `max_programs` programs, each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the
     counts between the two from SCAN_FROM_CHUNKS programs. `one_program` and `scan` force a path."""
-    device, num_pairs = topk_ids.device, topk_ids.numel()
+    num_pairs = topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
-    experts_pad = triton.next_power_of_2(num_experts)
-    sorted_ids = torch.empty(max_rows, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_rows // block_m, dtype=torch.int32, device=device)
-    num_padded = torch.empty(1, dtype=torch.int32, device=device)
+    out = (torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device),  # sorted_ids
+           torch.empty(max_rows // block_m, dtype=torch.int32, device=topk_ids.device),  # block_expert
+           torch.empty(1, dtype=torch.int32, device=topk_ids.device))  # num_padded
     ids = topk_ids.contiguous()
     use_one_program = triton.cdiv(num_pairs, CHUNK) <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
     if use_one_program:
         _align_one_program_kernel[(1,)](
-            ids, sorted_ids, block_expert, num_padded, num_pairs, num_experts, max_rows, block_expert.numel(),
-            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, TILE=one_program_chunk(num_pairs, num_experts), num_warps=8,
+            ids, *out, num_pairs, num_experts, max_rows, out[1].numel(), BLOCK_M=block_m,
+            EXPERTS_PAD=triton.next_power_of_2(num_experts), TILE=one_program_chunk(num_pairs, num_experts),
+            num_warps=8,
         )
-        return sorted_ids, block_expert, num_padded
-    tile = chunk or count_chunk(num_pairs, num_experts)
+    else:
+        _count_and_scatter(ids, out, num_experts, block_m, chunk or count_chunk(num_pairs, num_experts), scan,
+                           max_programs)  # fmt: skip
+    return out
+
+
+def _count_and_scatter(ids, out, num_experts: int, block_m: int, tile: int, scan: bool | None,
+                       max_programs: int) -> None:  # fmt: skip
+    """The sort in two launches (count, scatter), or three with the scan between them, into `out`."""
+    sorted_ids, block_expert, _ = out
+    num_pairs, experts_pad = ids.numel(), triton.next_power_of_2(num_experts)
     pairs_each, num_chunks = sort_chunks(num_pairs, tile, max_programs)
-    chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=device)
+    chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=ids.device)
     _count_kernel[(num_chunks,)](
-        ids, chunk_counts, sorted_ids, num_pairs, max_rows, pairs_each, triton.cdiv(max_rows, num_chunks),
-        EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8,
+        ids, chunk_counts, sorted_ids, num_pairs, sorted_ids.numel(), pairs_each,
+        triton.cdiv(sorted_ids.numel(), num_chunks), EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8,
     )
-    # all the blocks, a program's share of them, and its pairs
-    blocks = (block_expert.numel(), triton.cdiv(block_expert.numel(), num_chunks), pairs_each)
+    max_blocks = block_expert.numel()  # and below: a program's share of the blocks, and its pairs
+    sizes = (num_pairs, num_experts, num_chunks, max_blocks, triton.cdiv(max_blocks, num_chunks), pairs_each)
     use_scan = num_chunks >= SCAN_FROM_CHUNKS if scan is None else scan
     if use_scan:
-        chunk_rows = torch.empty(num_chunks + 1, experts_pad, dtype=torch.int32, device=device)
+        chunk_rows = torch.empty(num_chunks + 1, experts_pad, dtype=torch.int32, device=ids.device)
         scan_rows = min(triton.next_power_of_2(num_chunks), max(1, SCAN_ENTRIES // experts_pad))
         _scan_kernel[(1,)](chunk_counts, chunk_rows, num_chunks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
                            SCAN_ROWS=scan_rows, num_warps=8)
-        _scatter_scanned_kernel[(num_chunks,)](
-            ids, chunk_rows, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks, *blocks,
-            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8,
-        )
+        _scatter_scanned_kernel[(num_chunks,)](ids, chunk_rows, *out, *sizes, BLOCK_M=block_m,
+                                               EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8)
     else:
-        _scatter_kernel[(num_chunks,)](
-            ids, chunk_counts, sorted_ids, block_expert, num_padded, num_pairs, num_experts, num_chunks, *blocks,
-            BLOCK_M=block_m, EXPERTS_PAD=experts_pad, TILE=tile, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8,
-        )
-    return sorted_ids, block_expert, num_padded
+        _scatter_kernel[(num_chunks,)](ids, chunk_counts, *out, *sizes, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
+                                       TILE=tile, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8)
 
 
 def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int):
