@@ -143,9 +143,16 @@ class ExpertManager:
     def count_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         """Keep the layer's ids for `_count_pass` (no kernel here) and show the routing to the observers."""
         if self.popularity is not None or self.direct:
-            self._pass_ids.append((layer, topk_ids))
+            self._keep_ids(layer, topk_ids)
         for observe in self.observers:
             observe(layer, hidden, topk_ids)
+
+    def _keep_ids(self, layer: int, topk_ids: torch.Tensor) -> None:
+        """Keep a layer's ids for `_count_pass`; a caller that runs passes without `end_step` (a benchmark of the
+        hook) gets them counted every few passes instead of kept without end."""
+        self._pass_ids.append((layer, topk_ids))
+        if len(self._pass_ids) > 4 * len(self.moe_layers):
+            self._count_pass()
 
     def _count_pass(self) -> None:
         """Count the routings the hooks kept this pass: tokens a (layer, expert) into the online popularity, and with
@@ -239,7 +246,7 @@ class ExpertManager:
             if next_layer is not None:
                 prefetch = self._prefetch_later(next_layer, votes)
         elif self.popularity is not None:
-            self._pass_ids.append((layer, topk_ids))  # counted after the pass (`_count_pass`)
+            self._keep_ids(layer, topk_ids)  # counted after the pass (`_count_pass`)
         self._load_routed(layer, routed & self.store.offloaded[layer], self.working_tables[layer])
         self.stats.hook_seconds += time.perf_counter() - start
         return prefetch
