@@ -437,3 +437,20 @@ def test_after_a_shift_swaps_bring_the_new_favourites_back_and_the_offline_ranki
         if adjuster == "cost":
             assert llm.engine.expert_stats["swaps"] > 0
     assert on_host["cost"] == 0 < on_host["paper"]
+
+
+def test_routing_kept_for_counting_stays_bounded_without_end_step(family):
+    """A caller that runs the counting hook pass after pass without `end_step` (a benchmark of the hook): the kept
+    ids are counted every few passes, none lost, none kept without end."""
+    folder = family[0]
+    manager = LLM(folder, progress=False, adjuster="cost").engine.expert_manager
+    popularity, layers = manager.popularity, manager.moe_layers
+    ids = torch.tensor([[0, 1], [1, 2]])
+    before = popularity.pending.clone()
+    for _ in range(10):
+        for layer in layers:
+            manager.count_routing(layer, torch.zeros(2, 4), ids)
+    assert len(manager._pass_ids) <= 4 * len(layers)
+    manager.end_step()
+    added = popularity.pending - before  # [L, E]: each pass counted experts 0 and 2 once and expert 1 twice
+    assert added[:, :3].tolist() == [[10, 20, 10]] * len(layers) and added[:, 3:].sum() == 0
