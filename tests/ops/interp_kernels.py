@@ -258,7 +258,8 @@ def test_align_tokens_count_and_scatter_at_every_chunk_size(chunk, scan):
 
 
 @pytest.mark.parametrize("num_pairs,num_experts,block_m", [(9000, 4, 16), (2000, 60, 64), (1000, 128, 16),
-                                                           (20000, 128, 128), (300, 5, 16), (16384, 60, 128)])
+                                                           (20000, 128, 128), (300, 5, 16), (16384, 60, 128),
+                                                           (6000, 160, 64)])  # 160: 32-pair tiles, a 2-pass scan
 @pytest.mark.parametrize("scan", [None, False, True])  # None: the path the op takes (a scan from 17 programs)
 @pytest.mark.parametrize("max_programs", [MAX_SORT_PROGRAMS, 5])
 def test_align_tokens_with_and_without_the_scan(num_pairs, num_experts, block_m, scan, max_programs):
