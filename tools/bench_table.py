@@ -3,15 +3,16 @@
     python tools/bench_table.py resident=resident.json elastic=elastic.json ...   (the first record is the baseline)
 
 Columns: output tok/s and the ratio to the first record, TTFT mean / median / p99, TPOT median, peak / mean
-running, forward steps, preemptions, evictions / additions (and swaps), bytes copied (and a step), prefetch hit
-rate, wall time / routing-hook time / of it the wait for the router, per step, and the peak reserved GPU memory.
+running, forward steps, preemptions, evictions / additions (and swaps), bytes copied and host experts read in place
+(each also a step), prefetch hit rate, wall time / routing-hook time / of it the wait for the router, per step, and
+the peak reserved GPU memory.
 """
 
 import argparse
 import json
 
 HEADER = ("| policy | output tok/s | vs first | TTFT mean / median / p99 | TPOT median | peak / mean running "
-          "| steps | preemptions | evictions / additions | copied | prefetch hit rate | step / hook / router wait "
+          "| steps | preemptions | evictions / additions | copied, read in place | prefetch hit rate | step / hook / router wait "
           "| peak reserved |")
 
 
@@ -32,7 +33,7 @@ def row(label: str, record: dict, baseline: float) -> str:
         f"{steps:,}",
         str(record["preemptions"]),
         changes,
-        f"{copied / 1e9:.1f} GB ({copied / steps / 1e6:.1f} MB a step)" if copied else "0",
+        _traffic(copied, record.get("direct_reads"), steps),
         "-" if hit is None else f"{100 * hit:.1f}%",
         " / ".join(f"{1e3 * record[k] / steps:.1f}" for k in ("wall_s", "hook_seconds", "routing_wait_seconds"))
         + " ms",
@@ -41,6 +42,14 @@ def row(label: str, record: dict, baseline: float) -> str:
     if record.get("truncated_at_s") is not None:
         cells[0] += f" (stopped at {record['truncated_at_s']:.0f} s, {record['finished_requests']} finished)"
     return "| " + " | ".join(cells) + " |"
+
+
+def _traffic(copied: int, direct_reads: int | None, steps: int) -> str:
+    """Bytes copied in, and the host experts read in place (direct reads), each also a step."""
+    cells = [f"{copied / 1e9:.1f} GB ({copied / steps / 1e6:.1f} MB a step)"] if copied else []
+    if direct_reads:
+        cells.append(f"{direct_reads:,} host reads ({direct_reads / steps:.1f} a step)")
+    return ", ".join(cells) or "0"
 
 
 def _g(value) -> str:
