@@ -240,13 +240,13 @@ class ExpertManager:
         next_layer = self.next_layer.get(layer) if self.predict else None
         if next_layer is not None and not self.store.offloaded[next_layer]:
             next_layer = None  # nothing of the next layer to prefetch
+        if self.popularity is not None:
+            self._keep_ids(layer, topk_ids)  # counted after the pass (`_count_pass`)
         prefetch, routed = None, set()
         if self.store.offloaded[layer] or next_layer is not None:  # with nothing on the host, no host sync
             routed, votes = self._routing_on_host(layer, hidden, topk_ids, next_layer)
             if next_layer is not None:
                 prefetch = self._prefetch_later(next_layer, votes)
-        elif self.popularity is not None:
-            self._keep_ids(layer, topk_ids)  # counted after the pass (`_count_pass`)
         self._load_routed(layer, routed & self.store.offloaded[layer], self.working_tables[layer])
         self.stats.hook_seconds += time.perf_counter() - start
         return prefetch
@@ -255,12 +255,9 @@ class ExpertManager:
                          next_layer: int | None) -> tuple[set[int], list[int]]:  # fmt: skip
         """The experts routed here, and each expert's votes for `next_layer` (its router applied to this layer's
         input, the Fate idea), fetched in one device-to-host copy: the hook's only wait for the GPU. The counts go
-        into one persistent [2E] buffer (routed, then votes): five kernels and the copy a layer, one more that adds
-        the routed counts to the online popularity when there is one."""
+        into one persistent [2E] buffer (routed, then votes): five kernels and the copy a layer."""
         num_experts, counts = self.store.num_experts, self._counts
-        routed = self._count_routed(topk_ids)
-        if self.popularity is not None:
-            self.popularity.record_counts(layer, routed)
+        self._count_routed(topk_ids)
         if next_layer is not None:
             # NOTE: in the model's dtype (the router itself runs in fp32): a vote only orders prefetches, and two
             # conversions a layer less is host time off the step

@@ -4,11 +4,10 @@ Counts decay exponentially (`half_life_steps`) so the order follows a shifting w
 ranking (`rimuru profile`) weighted as `prior_routings` routings a layer, so the first steps are not blind. It reads
 like an `ExpertRanking` (`share`, `hottest_first`), so the adjusters order evictions and growth by it.
 
-Counting never adds a host sync: `record` scatter-adds the layer's top-k ids into a fixed-size device tensor
-(kernels queued behind the router; not `torch.bincount`, which reads the largest id back to size its output), and
-`flush` pulls the whole [L, E] tensor to the host every few steps, after a forward pass has synchronised anyway
-(the sampler reads the tokens). It does not own the routing hook: the expert
-manager calls `record`.
+Counting never adds a host sync: `record_all` adds a pass's [L, E] routed counts (the expert manager counts a
+pass's top-k ids in one scatter-add after it, not `torch.bincount`, which reads the largest id back to size its
+output; `record` counts one layer's ids), and `flush` pulls the whole [L, E] tensor to the host every few steps,
+after a forward pass has synchronised anyway (the sampler reads the tokens). It does not own the routing hook.
 """
 
 import torch
@@ -33,11 +32,6 @@ class ExpertPopularity:
         """Count one layer's routing ([T, K] expert ids) on the device. No host sync."""
         ids = topk_ids.flatten()  # [T K]
         self.pending[self.row[layer]].index_add_(0, ids, torch.ones_like(ids, dtype=self.pending.dtype))
-
-    def record_counts(self, layer: int, counts: torch.Tensor) -> None:
-        """Count one layer's routing given as per-expert counts ([E] int64 on the device, e.g. the routing hook's).
-        No host sync."""
-        self.pending[self.row[layer]] += counts
 
     def record_all(self, counts: torch.Tensor) -> None:
         """Count a pass's routing of every layer given as per-expert counts ([L, E] int64 on the device, rows in
