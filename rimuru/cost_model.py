@@ -23,16 +23,16 @@ The model, kept simple on purpose:
 from dataclasses import dataclass
 
 
-def touch_probability(share: float, num_tokens: float, top_k: int) -> float:
-    """P(an expert of routing share `share` is picked at least once by `num_tokens` tokens x `top_k`)."""
-    share = min(max(share, 0.0), 1.0)
-    return 1.0 - (1.0 - share) ** (num_tokens * top_k)
-
-
 def touch_probabilities(shares: list[float], num_tokens: float, top_k: int) -> list[float]:
-    """`touch_probability` of each share, in one pass (hundreds of shares a refresh, between two steps)."""
+    """P(an expert of routing share p is picked at least once by `num_tokens` tokens x `top_k`), for each share, in
+    one pass (hundreds of shares a refresh, between two steps)."""
     draws = num_tokens * top_k
     return [1.0 - (1.0 - min(max(p, 0.0), 1.0)) ** draws for p in shares]
+
+
+def touch_probability(share: float, num_tokens: float, top_k: int) -> float:
+    """`touch_probabilities` of one share."""
+    return touch_probabilities([share], num_tokens, top_k)[0]
 
 
 def copy_seconds(shares: list[float], num_tokens: float, top_k: int, expert_bytes: int, bandwidth: float) -> float:
