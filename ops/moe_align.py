@@ -76,6 +76,35 @@ def _scatter_range(p_ids, p_sorted_ids, start, end, b_next, EXPERTS_PAD: tl.cons
     return b_next
 
 
+@triton.jit
+def _padded_runs(b_total, BLOCK_M: tl.constexpr):
+    """([E] each expert's run padded to BLOCK_M rows, [E] the end row of each run)."""
+    b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    return b_padded, tl.cumsum(b_padded, 0)
+
+
+@triton.jit
+def _fill_pad_ids(p_sorted_ids, start, end, num_pairs, TILE: tl.constexpr):
+    """The pad id (num_pairs) into sorted rows [start, end); the scatter overwrites the real ones."""
+    for row_start in range(start, end, TILE):
+        o_r = row_start + tl.arange(0, TILE)
+        tl.store(p_sorted_ids + o_r, tl.zeros((TILE,), dtype=tl.int32) + num_pairs, mask=o_r < end)
+
+
+@triton.jit
+def _scatter_chunk(p_ids, p_sorted_ids, p_block_expert, p_num_padded, i_c, b_next, b_end, num_pairs, num_experts,
+                   max_blocks, blocks_each, pairs_each, BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr,
+                   TILE: tl.constexpr):  # fmt: skip
+    """Program i_c's part of every scatter: its chunk's pairs from `b_next` (each expert's row for its next pair),
+    its share of the block experts from `b_end`, and (program 0) the padded row count."""
+    start = i_c * pairs_each
+    _scatter_range(p_ids, p_sorted_ids, start, tl.minimum(start + pairs_each, num_pairs), b_next, EXPERTS_PAD, TILE)
+    _store_block_experts(p_block_expert, b_end, i_c * blocks_each, tl.minimum(max_blocks, (i_c + 1) * blocks_each),
+                         num_experts, BLOCK_M, TILE)
+    if i_c == 0:
+        tl.store(p_num_padded, tl.max(b_end, 0))
+
+
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "pairs_each", "rows_each"])
 def _count_kernel(
     p_ids, p_chunk_counts, p_sorted_ids, num_pairs, max_rows, pairs_each, rows_each,
@@ -86,10 +115,7 @@ def _count_kernel(
     start = i_c * pairs_each
     b_count = _range_counts(p_ids, start, tl.minimum(start + pairs_each, num_pairs), EXPERTS_PAD, TILE)
     tl.store(p_chunk_counts + i_c * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), b_count)
-    row_end = tl.minimum(max_rows, (i_c + 1) * rows_each)
-    for row_start in range(i_c * rows_each, row_end, TILE):
-        o_r = row_start + tl.arange(0, TILE)
-        tl.store(p_sorted_ids + o_r, tl.zeros((TILE,), dtype=tl.int32) + num_pairs, mask=o_r < row_end)
+    _fill_pad_ids(p_sorted_ids, i_c * rows_each, tl.minimum(max_rows, (i_c + 1) * rows_each), num_pairs, TILE)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks", "pairs_each"])
@@ -110,15 +136,9 @@ def _scatter_kernel(
                           other=0)
         b_total += tl.sum(b_count, 0)
         b_before += tl.sum(tl.where((o_c < i_c)[:, None], b_count, 0), 0)
-    b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
-    start = i_c * pairs_each
-    _scatter_range(p_ids, p_sorted_ids, start, tl.minimum(start + pairs_each, num_pairs), b_end - b_padded + b_before,
-                   EXPERTS_PAD, TILE)
-    _store_block_experts(p_block_expert, b_end, i_c * blocks_each, tl.minimum(max_blocks, (i_c + 1) * blocks_each),
-                         num_experts, BLOCK_M, TILE)
-    if i_c == 0:
-        tl.store(p_num_padded, tl.sum(b_padded, 0))
+    b_padded, b_end = _padded_runs(b_total, BLOCK_M)
+    _scatter_chunk(p_ids, p_sorted_ids, p_block_expert, p_num_padded, i_c, b_end - b_padded + b_before, b_end,
+                   num_pairs, num_experts, max_blocks, blocks_each, pairs_each, BLOCK_M, EXPERTS_PAD, TILE)
 
 
 @triton.jit(do_not_specialize=["num_chunks"])
@@ -133,8 +153,7 @@ def _scan_kernel(p_chunk_counts, p_chunk_rows, num_chunks, BLOCK_M: tl.constexpr
         o_c = c_start + tl.arange(0, SCAN_ROWS)
         b_total += tl.sum(tl.load(p_chunk_counts + o_c[:, None] * EXPERTS_PAD + o_e[None, :],
                                   mask=(o_c < num_chunks)[:, None], other=0), 0)
-    b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
+    b_padded, b_end = _padded_runs(b_total, BLOCK_M)
     b_next = b_end - b_padded  # [E] row of each expert's next pair
     for c_start in range(0, num_chunks, SCAN_ROWS):
         o_c = c_start + tl.arange(0, SCAN_ROWS)
@@ -155,14 +174,10 @@ def _scatter_scanned_kernel(
     """Chunk c's pairs from its first rows (`_scan_kernel`), and this program's share of the block experts."""
     i_c = tl.program_id(0)
     o_e = tl.arange(0, EXPERTS_PAD)
-    start = i_c * pairs_each
-    _scatter_range(p_ids, p_sorted_ids, start, tl.minimum(start + pairs_each, num_pairs),
-                   tl.load(p_chunk_rows + i_c * EXPERTS_PAD + o_e), EXPERTS_PAD, TILE)
+    b_next = tl.load(p_chunk_rows + i_c * EXPERTS_PAD + o_e)
     b_end = tl.load(p_chunk_rows + num_chunks * EXPERTS_PAD + o_e)
-    _store_block_experts(p_block_expert, b_end, i_c * blocks_each, tl.minimum(max_blocks, (i_c + 1) * blocks_each),
-                         num_experts, BLOCK_M, TILE)
-    if i_c == 0:
-        tl.store(p_num_padded, tl.max(b_end, 0))
+    _scatter_chunk(p_ids, p_sorted_ids, p_block_expert, p_num_padded, i_c, b_next, b_end, num_pairs, num_experts,
+                   max_blocks, blocks_each, pairs_each, BLOCK_M, EXPERTS_PAD, TILE)
 
 
 @triton.jit
@@ -181,16 +196,11 @@ def _align_one_program_kernel(
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr,
 ):
     """The whole sort in one program (decode batches): count, pad, scatter and block experts, one launch."""
-    b_total = _range_counts(p_ids, 0, num_pairs, EXPERTS_PAD, TILE)
-    b_padded = (b_total + BLOCK_M - 1) // BLOCK_M * BLOCK_M
-    b_end = tl.cumsum(b_padded, 0)  # [E] end row of each expert's run
-    for start in range(0, max_rows, TILE):
-        o_r = start + tl.arange(0, TILE)
-        tl.store(p_sorted_ids + o_r, tl.zeros((TILE,), dtype=tl.int32) + num_pairs, mask=o_r < max_rows)
+    b_padded, b_end = _padded_runs(_range_counts(p_ids, 0, num_pairs, EXPERTS_PAD, TILE), BLOCK_M)
+    _fill_pad_ids(p_sorted_ids, 0, max_rows, num_pairs, TILE)
     tl.debug_barrier()  # NOTE: the pad ids above must land before the pair ids that overwrite some of them
-    _scatter_range(p_ids, p_sorted_ids, 0, num_pairs, b_end - b_padded, EXPERTS_PAD, TILE)
-    _store_block_experts(p_block_expert, b_end, 0, max_blocks, num_experts, BLOCK_M, TILE)
-    tl.store(p_num_padded, tl.sum(b_padded, 0))
+    _scatter_chunk(p_ids, p_sorted_ids, p_block_expert, p_num_padded, tl.program_id(0), b_end - b_padded, b_end,
+                   num_pairs, num_experts, max_blocks, max_blocks, num_pairs, BLOCK_M, EXPERTS_PAD, TILE)
 
 
 def tile_chunk(num_experts: int) -> int:
@@ -209,6 +219,12 @@ def count_chunk(num_pairs: int, num_experts: int) -> int:
     """Pairs a count (and scatter) tile holds: `tile_chunk`, or less while the tiles stay at least COUNT_PROGRAMS
     (a power of two, at least 16): 512 pairs -> 32."""
     return min(tile_chunk(num_experts), max(16, triton.next_power_of_2(triton.cdiv(num_pairs, COUNT_PROGRAMS))))
+
+
+def scan_rows(num_chunks: int, experts_pad: int) -> int:
+    """Count-table rows `_scan_kernel` loads a pass: every chunk (up to MAX_SORT_PROGRAMS) in one tile of at most
+    SCAN_ENTRIES entries."""
+    return min(triton.next_power_of_2(num_chunks), max(1, SCAN_ENTRIES // experts_pad))
 
 
 def sort_chunks(num_pairs: int, tile: int, max_programs: int = MAX_SORT_PROGRAMS) -> tuple[int, int]:
@@ -258,9 +274,8 @@ def _count_and_scatter(ids, out, num_experts: int, block_m: int, tile: int, scan
     use_scan = num_chunks >= SCAN_FROM_CHUNKS if scan is None else scan
     if use_scan:
         chunk_rows = torch.empty(num_chunks + 1, experts_pad, dtype=torch.int32, device=ids.device)
-        scan_rows = min(triton.next_power_of_2(num_chunks), max(1, SCAN_ENTRIES // experts_pad))
         _scan_kernel[(1,)](chunk_counts, chunk_rows, num_chunks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
-                           SCAN_ROWS=scan_rows, num_warps=8)
+                           SCAN_ROWS=scan_rows(num_chunks, experts_pad), num_warps=8)
         _scatter_scanned_kernel[(num_chunks,)](ids, chunk_rows, *out, *sizes, BLOCK_M=block_m,
                                                EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8)
     else:

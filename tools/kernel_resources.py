@@ -4,8 +4,8 @@
 
 Triton's CUDA backend compiles to a cubin without a device (its wheel carries ptxas), and cuobjdump reads the
 resource use back: a kernel whose tiles outgrow the registers shows it here before a GPU session spends minutes on
-it. At 8 warps an SM's 64K registers hold two programs up to 128 registers a thread, one up to 256; LOCAL > 0
-means spills. Times need the GPU (`tools/bench_kernels.py --breakdown`).
+it. At 8 warps an SM's 64K registers hold two programs up to 128 registers a thread, one up to 256; a STACK or
+LOCAL above 0 means spills. Times need the GPU (`tools/bench_kernels.py --breakdown`).
 """
 
 import argparse
@@ -28,8 +28,8 @@ SORT_KERNELS = {  # kernel -> (its non-constexpr arguments' types, its constexpr
                         lambda e, t: {"BLOCK_M": 128, "EXPERTS_PAD": e, "TILE": t, "PREFIX_ROWS": max(1, 4096 // e)}),
     "_scatter_scanned_kernel": ([IDS] + [I32] * 4 + ["i32"] * 6, lambda e, t: {"BLOCK_M": 128, "EXPERTS_PAD": e,
                                                                                "TILE": t}),
-    "_scan_kernel": ([I32, I32, "i32"], lambda e, t: {"BLOCK_M": 128, "EXPERTS_PAD": e,
-                                                      "SCAN_ROWS": max(1, moe_align.SCAN_ENTRIES // e)}),
+    "_scan_kernel": ([I32, I32, "i32"], lambda e, t: {  # the most rows the op loads: MAX_SORT_PROGRAMS chunks
+        "BLOCK_M": 128, "EXPERTS_PAD": e, "SCAN_ROWS": moe_align.scan_rows(moe_align.MAX_SORT_PROGRAMS, e)}),
 }
 
 

@@ -76,7 +76,7 @@ def test_decode_attention_sweep_runs(tmp_path):
 
 def test_the_sorts_kernels_compile_for_the_h200_without_spilling():
     """`tools/kernel_resources.py`: the sort's kernels at the tiles the op takes (64 pairs for 128 experts, 128 for
-    60) compile for sm_90 on this CPU machine, and none spills (LOCAL:0) or needs more than 255 registers."""
+    60) compile for sm_90 on this CPU machine, and none spills (no stack frame, no local memory)."""
     tool = HERE.parents[1] / "tools" / "kernel_resources.py"
     cmd = [sys.executable, str(tool), "--experts", "60", "128", "--tiles", "64", "128"]
     done = subprocess.run(cmd, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600,
@@ -86,4 +86,4 @@ def test_the_sorts_kernels_compile_for_the_h200_without_spilling():
     assert len(rows) == 16
     taken = [r for r in rows if r.startswith(("E=60 tile=128", "E=128 tile=64"))]
     for row in taken:
-        assert " LOCAL:0" in row and int(row.split("REG:")[1].split()[0]) <= 255, row
+        assert " STACK:0" in row and " LOCAL:0" in row, row
