@@ -11,6 +11,7 @@ from rimuru.serving.cli import main
 from tests.engine.test_experts import budget_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
+import bench_adjuster  # noqa: E402
 import bench_sweep  # noqa: E402
 import bench_table  # noqa: E402
 import plot_bench  # noqa: E402
@@ -183,3 +184,18 @@ def test_bench_hook_times_every_layer_and_counts_operations(family, tmp_path, mo
     assert [row["tokens"] for row in rows] == [1, 4]
     assert all(row["hook_us"] > 0 and row["operations"] > 0 for row in rows)
     assert "experts on the host" in capsys.readouterr().out
+
+
+def test_the_adjuster_benchmark_times_both_rules_on_a_placement_that_refreshes(capsys, monkeypatch):
+    """`tools/bench_adjuster.py`: both rules run their rounds (the cost rule's refreshes and swap tests among them)
+    and the placement stays as given: nothing is short or free, so nothing moves."""
+    monkeypatch.setattr(sys, "argv", ["bench_adjuster.py", "--layers", "3", "--experts", "8", "--offloaded", "2",
+                                      "--limit", "4", "--rounds", "40"])  # fmt: skip
+    bench_adjuster.main()
+    line = capsys.readouterr().out
+    assert "3 layers x 8 experts, 6 on the host" in line and "paper rule" in line and "cost rule" in line
+    offloaded = {0: {7}, 1: set(), 2: set()}
+    adjuster = bench_adjuster.cost_adjuster(bench_adjuster.skewed_ranking(3, 8), offloaded, 4)
+    adjuster.observe(12e-3, 40, [], 32, 30_000)  # the first measured round refreshes
+    assert adjuster.estimates["cost_measured"] == 1 and adjuster.estimates["cost_next_eviction_ms"] > 0
+
