@@ -59,6 +59,8 @@ class Adjuster:
 
     def nominate_evictions(self, count: int, offloaded: dict[int, set[int]]) -> list[tuple[int, int]]:
         """Up to `count` resident experts, coldest nominee first; layers at the offload limit are left out."""
+        if count <= 0:
+            return []  # most rounds: no layer's ranking is walked
         return list(itertools.islice(self.eviction_order(offloaded), max(count, 0)))
 
     def nominate_additions(self, count: int, offloaded: dict[int, set[int]]) -> list[tuple[int, int]]:

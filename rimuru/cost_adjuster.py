@@ -36,9 +36,10 @@ import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
+import torch
+
 from rimuru.adjuster import Adjuster, ChangeList
-from rimuru.cost_model import (CostModel, copy_seconds, ema, exposed_seconds, kv_pages_freed, touch_probabilities,
-                               touch_probability)
+from rimuru.cost_model import CostModel, ema, exposed_seconds, kv_pages_freed, touch_probability
 from rimuru.popularity import ExpertPopularity
 
 
@@ -268,9 +269,10 @@ class CostAdjuster:
         if not c.is_measured or not c.kv_pages_per_request:
             self._affordable, self.estimates = 0, {"cost_measured": 0}
             return
-        num_tokens, t = c.tokens_per_step, self.thresholds
-        shares = [self.popularity.share(layer, e) for layer, experts in offloaded.items() for e in experts]
-        predicted = copy_seconds(shares, num_tokens, self.top_k, self.expert_bytes, c.bandwidth)
+        t = self.thresholds
+        host_shares = self.popularity.matrix()[self.store.host_mask()]  # [offloaded experts]
+        touched = touch_probability(host_shares, c.tokens_per_step, self.top_k)
+        predicted = float(touched.sum()) * self.expert_bytes / c.bandwidth
         scale, self._predicted_now = self._calibration(), predicted
         hidden = 0.0 if self.reads_in_place is not None else t.copy_compute_ratio * c.compute_s
         gained = kv_pages_freed(1, t.pages_per_expert, self.kv_pages_per_expert_page) / c.kv_pages_per_request
@@ -279,13 +281,13 @@ class CostAdjuster:
         exposed = (exposed_seconds(seconds, hidden) for seconds in link)
         self._affordable = profitable_evictions(c.compute_s, c.running, gained, exposed, t.eviction_band)
         self._all_nominees_passed = self._affordable == len(costs) == MAX_NOMINEES
-        self.estimates = self._estimates(shares, predicted, scale, gained, costs[0] if costs else 0.0)
+        self.estimates = self._estimates(touched, predicted, scale, gained, costs[0] if costs else 0.0)
 
-    def _estimates(self, shares: list[float], predicted_s: float, scale: float, gained: float,
+    def _estimates(self, touched: torch.Tensor, predicted_s: float, scale: float, gained: float,
                    next_eviction_s: float) -> dict[str, float]:  # fmt: skip
-        """The model's view for `expert_stats`, the metrics and the dashboard: why the pool moved."""
+        """The model's view for `expert_stats`, the metrics and the dashboard: why the pool moved. `touched`: each
+        offloaded expert's probability of being routed in a step."""
         c = self.cost
-        touch = touch_probabilities(shares, c.tokens_per_step, self.top_k)
         return {
             "cost_measured": 1,
             "cost_bandwidth_gb_s": c.bandwidth / 1e9,
@@ -298,8 +300,8 @@ class CostAdjuster:
             "cost_calibration": scale,
             "cost_affordable_evictions": self._affordable,
             "cost_next_eviction_ms": next_eviction_s * 1e3,
-            "cost_touch_p_mean": sum(touch) / len(touch) if touch else 0.0,
-            "cost_touch_p_max": max(touch, default=0.0),
+            "cost_touch_p_mean": float(touched.mean()) if len(touched) else 0.0,
+            "cost_touch_p_max": float(touched.max()) if len(touched) else 0.0,
             "cost_oldest_wait_s": self.oldest_wait_s,
             "cost_slo_missed": int(self.slo_missed),
         }
@@ -308,9 +310,9 @@ class CostAdjuster:
         """Each nominee's link seconds a step (calibrated), cheapest first, generated lazily and kept in `into`:
         48 layers x 128 experts cost 20 ms in full."""
         c = self.cost
+        link_s = scale * self.expert_bytes / c.bandwidth  # one touch of an expert
         for key in itertools.islice(self.nominator.eviction_order(offloaded), MAX_NOMINEES):
-            seconds = scale * copy_seconds([self.popularity.share(*key)], c.tokens_per_step, self.top_k,
-                                           self.expert_bytes, c.bandwidth)  # fmt: skip
+            seconds = link_s * touch_probability(self.popularity.share(*key), c.tokens_per_step, self.top_k)
             into.append(seconds)
             yield seconds
 

@@ -22,22 +22,20 @@ The model, kept simple on purpose:
 
 from dataclasses import dataclass
 
-
-def touch_probabilities(shares: list[float], num_tokens: float, top_k: int) -> list[float]:
-    """P(an expert of routing share p is picked at least once by `num_tokens` tokens x `top_k`), for each share, in
-    one pass (hundreds of shares a refresh, between two steps)."""
-    draws = num_tokens * top_k
-    return [1.0 - (1.0 - min(max(p, 0.0), 1.0)) ** draws for p in shares]
+import torch
 
 
-def touch_probability(share: float, num_tokens: float, top_k: int) -> float:
-    """`touch_probabilities` of one share."""
-    return touch_probabilities([share], num_tokens, top_k)[0]
+def touch_probability(share, num_tokens: float, top_k: int):
+    """P(an expert of routing share p is picked at least once by `num_tokens` tokens x `top_k`). `share`: a float,
+    or a tensor of shares (elementwise: the hundreds of offloaded experts a refresh weighs, in a few kernels)."""
+    p = share.clamp(0.0, 1.0) if isinstance(share, torch.Tensor) else min(max(share, 0.0), 1.0)
+    return 1.0 - (1.0 - p) ** (num_tokens * top_k)
 
 
-def copy_seconds(shares: list[float], num_tokens: float, top_k: int, expert_bytes: int, bandwidth: float) -> float:
-    """Predicted copy time a step spends on offloaded experts of these routing shares."""
-    return sum(touch_probabilities(shares, num_tokens, top_k)) * expert_bytes / bandwidth
+def copy_seconds(shares, num_tokens: float, top_k: int, expert_bytes: int, bandwidth: float) -> float:
+    """Predicted copy time a step spends on offloaded experts of these routing shares (a list or a tensor)."""
+    touched = touch_probability(torch.as_tensor(shares, dtype=torch.float64), num_tokens, top_k)
+    return float(touched.sum()) * expert_bytes / bandwidth
 
 
 def exposed_seconds(link_s: float, hidden_s: float) -> float:

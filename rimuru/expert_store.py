@@ -25,6 +25,7 @@ class ExpertStore:
         # [L, E, 3] page ids of (gate, up, down); -1 where the expert is on the host or the layer is dense
         self.page_tables = torch.full((num_layers, max(self.num_experts, 1), 3), -1, dtype=torch.int32, device=pool.device)
         self.host_tables = torch.full_like(self.page_tables, -1, device="cpu")  # the same, for the host to read
+        self._layer_index = torch.tensor(self.layer_ids, dtype=torch.int64)  # host_tables rows of the MoE layers
         self.offloaded: dict[int, set[int]] = {layer: set(range(self.num_experts)) for layer in self.layer_ids}
         self.versions = [0] * num_layers  # per layer, bumped at every change of its table: copies of a row go stale
         self._host_rows: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> `host_rows`
@@ -54,6 +55,11 @@ class ExpertStore:
             page_ids = self.reserve(layer, expert)
             self.copier.copy(page_ids, self.host_rows(layer, expert), side_stream=False)
             self.publish(layer, expert, page_ids)
+
+    def host_mask(self) -> torch.Tensor:
+        """[MoE layers, E] bool, True where the expert is on the host (rows in `layer_ids` order), from the host
+        tables: no per-expert Python."""
+        return self.host_tables.index_select(0, self._layer_index)[:, : self.num_experts, 2] < 0
 
     def host_rows(self, layer: int, expert: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """An expert's (gate, up, down) host matrices as page rows ([F * D] views), made on first use and kept: the

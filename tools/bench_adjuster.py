@@ -35,7 +35,11 @@ def cost_adjuster(ranking: ExpertRanking, offloaded: dict[int, set[int]], limit:
     layers = sorted(offloaded)
     host = {layer: SimpleNamespace(matrices=lambda e: [torch.zeros(3 * 704 * 2048, dtype=torch.bfloat16)])
             for layer in layers}  # fmt: skip
+    host_tables = torch.zeros(len(layers), len(ranking.shares[layers[0]]), 3, dtype=torch.int32)  # as ExpertStore's
+    for layer, experts in offloaded.items():
+        host_tables[layer, list(experts)] = -1
     store = SimpleNamespace(host=host, layer_ids=layers, offloaded=offloaded,
+                            host_mask=lambda: host_tables[layers, :, 2] < 0,
                             copier=SimpleNamespace(take_timings=lambda: (0, 0.0)))  # fmt: skip
     popularity = ExpertPopularity(ranking, len(ranking.shares[layers[0]]))
     adjuster = CostAdjuster(popularity, limit, store, top_k=4, reads_in_place=lambda: 0, kv_pages_per_expert_page=44)

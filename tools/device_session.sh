@@ -38,6 +38,8 @@
 #   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz.part-*: copy the parts to .bench/ here (and
 #             remove an older triton-cache.tar.gz; tools/device_env.sh unpacks them on the device), so later calls
 #             skip the compiles
+#   hostphases  the host time of each part of a decode step (tools/profile_step.py), paper rule against cost rule:
+#             $MODEL at $BUDGET, PROFILE_FLAGS (default --num-requests 1), ~1 min each
 #   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
 #             (tools/shift_stream.py, dummy weights with --router-regimes 2, ranking profiled on the first half):
 #             fixed-8, elastic-8 and cost-8 (whose swaps follow the shift); $OUT/shift-r$RATE.tar.gz
@@ -221,6 +223,17 @@ hook() {  # no graphs captured: the hook runs outside them anyway
   # shellcheck disable=SC2086
   timeout 200 python tools/bench_hook.py "$MODEL" "${DUMMY[@]}" $SKEW_FLAGS --gpu-memory-budget "$BUDGET" \
     --expert-policy fixed --offload-per-layer 8 --no-cuda-graphs --tokens 1 8 64 256 --out "$OUT/hook.json" 2>&1 | tail -6
+}
+
+hostphases() {  # the host time of each part of a decode step, paper rule against cost rule ($MODEL at $BUDGET)
+  local ranking; ranking=$(ranking_path)
+  for adjuster in paper cost; do
+    # shellcheck disable=SC2086
+    timeout 150 python tools/profile_step.py "$MODEL" "${DUMMY[@]}" --stream "$STREAM" --steps 100 \
+      --gpu-memory-budget "$BUDGET" --expert-ranking "$ranking" --adjuster "$adjuster" --max-num-seqs 8 \
+      --no-mixed-cuda-graphs $SKEW_FLAGS ${PROFILE_FLAGS:---num-requests 1} > "$OUT/hostphases-$adjuster.txt" 2>&1
+    echo "-- $adjuster"; grep -E "^decode step|^  " "$OUT/hostphases-$adjuster.txt" | head -14
+  done
 }
 
 cache() {  # last in a call: Triton's compiled kernels, to carry in .bench next time (tools/device_env.sh unpacks them)

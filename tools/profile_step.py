@@ -46,7 +46,9 @@ def host_phases(engine: Engine, steps: int) -> dict[str, float]:
     manager = engine.expert_manager
     phases = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "prepare"),
               (engine, "sampler", "sample (waits for the GPU)"), (engine, "_append", "append and stop checks"),
-              (manager, "begin_step", "expert changes"), (manager, "end_step", "expert changes")]  # fmt: skip
+              (manager, "begin_step", "expert changes"), (manager, "end_step", "expert changes"),
+              (engine, "_adjust", "adjuster round"), (engine.adjuster, "observe", "cost rule: observe")]  # fmt: skip
+    phases = [(obj, name, label) for obj, name, label in phases if hasattr(obj, name)]
     originals = [(obj, name, getattr(obj, name)) for obj, name, _ in phases]
     for (obj, name, label), (_, _, fn) in zip(phases, originals):
         setattr(obj, name, _timed(fn, label, totals))

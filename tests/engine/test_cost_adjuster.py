@@ -79,10 +79,17 @@ def test_growth_waits_for_pages_to_stay_free():
     assert plan_cost_adjustment(0, 9, 0, False, free_rounds=9, t=t) == (0, 0)
 
 
-def fake_store(offloaded: dict[int, set[int]], layers=(0,)):
+def fake_store(offloaded: dict[int, set[int]], layers=(0,), num_experts: int = 4):
     host = {layer: SimpleNamespace(matrices=lambda e: [torch.zeros(250_000)]) for layer in layers}
+
+    def host_mask() -> torch.Tensor:  # as ExpertStore's, from the sets the tests edit
+        mask = torch.zeros(len(layers), num_experts, dtype=torch.bool)
+        for row, layer in enumerate(layers):
+            mask[row, sorted(offloaded[layer])] = True
+        return mask
+
     return SimpleNamespace(host=host, layer_ids=list(layers), copier=SimpleNamespace(take_timings=lambda: (0, 0.0)),
-                           offloaded=offloaded)  # fmt: skip
+                           offloaded=offloaded, host_mask=host_mask)  # fmt: skip
 
 
 def test_cost_adjuster_never_bounces_and_slo_overrides():
@@ -131,7 +138,7 @@ def test_a_refresh_weighs_max_nominees_and_the_next_ones_come_before_they_run_ou
     num_experts = 200
     popularity = ExpertPopularity(ExpertRanking({0: tuple([1 / num_experts] * num_experts)}), num_experts)
     offloaded = {0: set()}
-    adjuster = CostAdjuster(popularity, 150, fake_store(offloaded), top_k=1)
+    adjuster = CostAdjuster(popularity, 150, fake_store(offloaded, num_experts=num_experts), top_k=1)
     adjuster.cost.pin(bandwidth=1e15, compute_s=1e-2, tokens_per_step=1.0, running=10.0, kv_pages_per_request=3.0)
     adjuster.refresh()
     assert adjuster.reclaimable_experts(offloaded) == MAX_NOMINEES  # not the cap's 150: the rest is not weighed yet
@@ -348,7 +355,8 @@ def test_swaps_read_only_each_layers_ends_and_find_what_the_full_lists_find(data
     t = CostThresholds(swap_margin=data.draw(st.sampled_from([1.0, 1.5, 2.0])), max_swaps_per_round=data.draw(
         st.integers(1, 3)), readd_after_rounds=4, swap_min_touch_gain=-1.0)
     popularity = ExpertPopularity(ranking, num_experts)
-    adjuster = CostAdjuster(popularity, num_experts, fake_store(offloaded, range(num_layers)), top_k=1, thresholds=t)
+    adjuster = CostAdjuster(popularity, num_experts, fake_store(offloaded, range(num_layers), num_experts),
+                           top_k=1, thresholds=t)  # fmt: skip
     adjuster.cost.pin(tokens_per_step=4.0)
     adjuster.round = 10
     for layer in range(num_layers):  # some experts still cooling or settling
