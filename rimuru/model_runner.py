@@ -49,7 +49,8 @@ class ModelRunner:
         inputs = self.prepare(batch)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
-            _, hook = self.experts.pass_routing(fixed_tables=True)  # the graphs read working_tables
+            # the graphs read working_tables and count the pass's routing themselves
+            _, hook = self.experts.pass_routing(fixed_tables=True, counted=self.graphs.count_pass is not None)
             self.num_graph_steps += 1
             return self.graphs.run(inputs, hook, shape).float(), inputs.sample_rows
         logits = self.model(inputs.input_ids.to(self.device, non_blocking=True), self.context(inputs))  # [B', V]

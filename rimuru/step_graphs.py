@@ -18,6 +18,7 @@ the CPU.
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -85,7 +86,7 @@ def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_
     mixed = mixed_token_sizes(mixed_tokens)
     graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
                         scratch_page, sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
-                        mixed_sizes=mixed)  # fmt: skip
+                        mixed_sizes=mixed, count_pass=experts.count_pass if experts.counts_routing else None)  # fmt: skip
     start = time.perf_counter()
     try:
         graphs.capture_all(progress)
@@ -111,8 +112,11 @@ class _Captured:
 class StepGraphs:
     def __init__(self, model: QwenMoeForCausalLM, kv_view: torch.Tensor, expert_view: torch.Tensor,
                  expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
-                 capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = ()):  # fmt: skip
+                 capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = (),
+                 count_pass: Callable[[torch.Tensor, torch.Tensor], None] | None = None):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
+        # the pass's routing counted inside its last graph ([L, T, K] ids, [T] real rows: `ExpertManager.count_pass`)
+        self.count_pass = count_pass
         self.host_experts = host_experts  # pinned: fixed addresses the graphs may read (expert_reads="direct")
         self.batch_sizes, self.capture = sorted(batch_sizes), capture
         self.mixed_sizes = sorted(mixed_sizes)  # token counts of the mixed steps' graphs (none: decode only)
@@ -180,6 +184,8 @@ class StepGraphs:
             except StopIteration as done:
                 point = None
                 self.logits[: shape.sampled].copy_(done.value)
+                if self.count_pass is not None:
+                    self.count_pass(self.point_ids[:, : shape.tokens], self._real_rows(shape))
             finally:
                 graph.capture_end()
             graphs.append(graph)
@@ -207,7 +213,7 @@ class StepGraphs:
 
         hook = hook if on_routing is not None else None
         if not self.capture:
-            return run_pieces(self._pieces(shape), hook)[:num_sampled]
+            return self._run_uncaptured(shape, hook)[:num_sampled]
         captured, later = self.captured[shape], None
         for graph, point in zip(captured.graphs, captured.points + [None]):
             graph.replay()
@@ -215,6 +221,24 @@ class StepGraphs:
                 later()
             later = hook(*point) if point is not None and hook is not None else None
         return self.logits[:num_sampled]
+
+    def _run_uncaptured(self, shape: Shape, hook) -> torch.Tensor:
+        """The pass run eagerly over the static buffers (CPU), its routing counted as the last graph counts it."""
+        if self.count_pass is None:
+            return run_pieces(self._pieces(shape), hook)
+        routed = []
+
+        def keeping(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
+            routed.append(topk_ids)
+            return hook(layer_idx, hidden, topk_ids) if hook is not None else None
+
+        logits = run_pieces(self._pieces(shape), keeping)
+        self.count_pass(torch.stack(routed), self._real_rows(shape))
+        return logits
+
+    def _real_rows(self, shape: Shape) -> torch.Tensor:
+        """[T] True on the step's own token rows, False on the padding (written by `GraphInputs.write`)."""
+        return ~self.inputs.padding_rows[: shape.tokens]
 
     def _pieces(self, shape: Shape) -> Pieces:
         """The pass over `shape`'s rows of the static buffers."""

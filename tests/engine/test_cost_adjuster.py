@@ -264,10 +264,12 @@ def test_with_direct_reads_the_measured_cost_is_the_reads_counted(family):
 
 
 @pytest.mark.parametrize("reads", ["copy", "direct"])
-def test_online_popularity_counts_every_routing_the_hook_sees(family, reads):
+@pytest.mark.parametrize("cuda_graphs", [False, True])  # True on CPU: the graphs' padded path, run eagerly
+def test_online_popularity_counts_every_routing_the_hook_sees(family, reads, cuda_graphs):
     """Under the cost rule the routing hook adds its routed counts to the online popularity (copies, with experts
-    on the host), the counting hook does (direct reads, or nothing on the host): either way every routing is
-    counted once, as an observer sees it."""
+    on the host), the counting hook does (direct reads, or nothing on the host), or the step graphs' pass counts
+    itself (`ExpertManager.count_pass`, padding rows left out): either way every routing is counted once, as an
+    observer sees it."""
     folder, prompts, expected = family
     seen, flushed = {}, []
 
@@ -287,7 +289,7 @@ def test_online_popularity_counts_every_routing_the_hook_sees(family, reads):
 
     budget = budget_for(folder, kv_tokens=60, offload=3)
     engine, tokens = run(folder, prompts, prepare=prepare, adjuster="cost", gpu_memory_budget=budget,
-                         expert_offload_limit=3, expert_reads=reads)  # fmt: skip
+                         expert_offload_limit=3, expert_reads=reads, cuda_graphs=cuda_graphs)  # fmt: skip
     popularity = prepare.popularity
     counted = sum(flushed) + popularity.pending
     assert tokens == expected and engine.expert_stats["offloaded_experts"] > 0

@@ -289,6 +289,42 @@ def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy, reads
     assert outputs[True] == outputs[False]
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_captured_graphs_count_the_routing_an_observer_sees_on_gpu(family):
+    """The routing each captured pass counts in its last graph (`ExpertManager.count_pass`: the cost rule's
+    popularity, the host experts read in place) is what an observer sees between the replays: padding rows count
+    nothing, and an expert is read once a layer a pass."""
+    folder, prompts, _ = family
+    budget = budget_for(folder, kv_tokens=60, offload=3, device="cuda", dtype=torch.float32, mixed_cuda_graphs=True,
+                        **SMALL_GRAPH_SET)  # fmt: skip
+    tokens, reads, flushed = {}, [], []
+
+    def prepare(engine):
+        popularity, store, flush = engine.adjuster.popularity, engine.experts, engine.adjuster.popularity.flush
+
+        def observe(layer, hidden, ids):
+            tokens[layer] = tokens.get(layer, 0) + torch.bincount(ids.flatten(), minlength=popularity.num_experts)
+            reads.append(len(set(ids.flatten().tolist()) & store.offloaded[layer]))
+
+        def counting_flush(num_steps=1):
+            flushed.append(popularity.pending.clone())
+            flush(num_steps)
+
+        popularity.flush = counting_flush
+        engine.expert_manager.observers.append(observe)
+
+    engine, _ = run(folder, prompts, prepare, device="cuda", dtype=torch.float32, gpu_memory_budget=budget,
+                    expert_offload_limit=3, adjuster="cost", expert_reads="direct", cuda_graphs=True,
+                    mixed_cuda_graphs=True, **SMALL_GRAPH_SET)  # fmt: skip
+    assert engine.runner.num_graph_steps == engine.num_steps and engine.expert_stats["evictions"] > 0
+    assert engine.expert_manager.direct_reads() == sum(reads) > 0
+    popularity = engine.adjuster.popularity
+    counted = sum(flushed) + popularity.pending
+    for layer, row in popularity.row.items():
+        assert torch.equal(counted[row].cpu(), tokens[layer].cpu()), f"layer {layer}"
+
+
 def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(family, monkeypatch, caplog):
     import rimuru.step_graphs
     import rimuru.engine
