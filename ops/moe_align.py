@@ -2,9 +2,9 @@
 
 Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises with the host and a CUDA graph can hold
 it. On CUDA: per-chunk expert counts (at most MAX_SORT_PROGRAMS programs, each a chunk of whole [tile, E] one-hot
-tiles), then a scatter; up to SCAN_FROM_CHUNKS chunks each scatter program sums the counts of the chunks before its
-own, past that one program scans the count table first (that sum grew with chunks x experts: 71 us for Qwen3's
-32,768 pairs on an H200 at 7ed62cc, 15.6 for Qwen1.5's 16,384), and for decode batches of up to ONE_PROGRAM_CHUNKS
+tiles), then a scatter; each scatter program sums the counts of the chunks before its own, or past
+SCAN_ABOVE_ENTRIES count-table entries one program scans the table first (that sum grew with chunks x experts: 71 us
+for Qwen3's 32,768 pairs on an H200 at 7ed62cc, 15.6 for Qwen1.5's 16,384), and for decode batches of up to ONE_PROGRAM_CHUNKS
 CHUNKs one launch of one program does all of it (6.5-10.6 us on an H200, against 200-500 us for the torch path's
 ~25 small launches, eager and host bound; docs/benchmarks/kernels.md). The torch path (argsort, cumsum, scatter)
 serves CPU. Every path gives the same layout, which the interpreter tests check. A single token needs no sort:
@@ -34,10 +34,11 @@ TILE_ENTRIES = 128 * 64
 # count and scatter programs at most (about one wave on an H200's 132 SMs); past that a program takes several
 # tiles, which keeps the count table, and the scan of it, at MAX_SORT_PROGRAMS rows
 MAX_SORT_PROGRAMS = 128
-# from this many programs one program scans the count table into each chunk's first rows (a third launch) instead
-# of every scatter program summing all the chunks before its own: that sum grew with chunks x experts (71 us for
-# Qwen3's 32,768 pairs in 256 chunks on an H200 at 7ed62cc, 15.6 for Qwen1.5's 16,384 in 128)
-SCAN_FROM_CHUNKS = COUNT_PROGRAMS + 1
+# past this many count-table entries (chunks x padded experts) one program scans the table into each chunk's first
+# rows (a third launch) instead of every scatter program summing all the chunks before its own, a sum that grows with
+# the table. H200 at 5856858 (kernels.md): at 128 x 128 (Qwen3, 1,024 and 4,096 tokens) the scan won by 0.7-0.8 us,
+# at 32 x 64 and 128 x 64 (Qwen1.5) it lost by 2.4 us
+SCAN_ABOVE_ENTRIES = 128 * 64
 SCAN_ENTRIES = 128 * 128  # the scan's tile: the whole table of MAX_SORT_PROGRAMS x 128 experts in one load
 
 
@@ -227,6 +228,11 @@ def scan_rows(num_chunks: int, experts_pad: int) -> int:
     return min(triton.next_power_of_2(num_chunks), max(1, SCAN_ENTRIES // experts_pad))
 
 
+def scans_counts(num_chunks: int, experts_pad: int) -> bool:
+    """Whether the count-and-scatter sort scans its count table once (SCAN_ABOVE_ENTRIES)."""
+    return num_chunks * experts_pad > SCAN_ABOVE_ENTRIES
+
+
 def sort_chunks(num_pairs: int, tile: int, max_programs: int = MAX_SORT_PROGRAMS) -> tuple[int, int]:
     """(pairs a count and scatter program takes, programs): one tile each, or whole tiles enough for at most
     `max_programs` programs. Qwen3 at 4096 tokens: 32,768 pairs in 64-pair tiles -> 256 pairs each, 128 programs."""
@@ -238,7 +244,7 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
                         chunk: int | None = None, scan: bool | None = None, max_programs: int = MAX_SORT_PROGRAMS):
     """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS CHUNKs of pairs, else count then scatter
     (at most `max_programs` programs, each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the
-    counts between the two from SCAN_FROM_CHUNKS programs. `one_program` and `scan` force a path."""
+    counts between the two past SCAN_ABOVE_ENTRIES (`scans_counts`). `one_program` and `scan` force a path."""
     num_pairs = topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
     out = (torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device),  # sorted_ids
@@ -271,7 +277,7 @@ def _count_and_scatter(ids, out, num_experts: int, block_m: int, tile: int, scan
     )
     max_blocks = block_expert.numel()  # and below: a program's share of the blocks, and its pairs
     sizes = (num_pairs, num_experts, num_chunks, max_blocks, triton.cdiv(max_blocks, num_chunks), pairs_each)
-    use_scan = num_chunks >= SCAN_FROM_CHUNKS if scan is None else scan
+    use_scan = scans_counts(num_chunks, experts_pad) if scan is None else scan
     if use_scan:
         chunk_rows = torch.empty(num_chunks + 1, experts_pad, dtype=torch.int32, device=ids.device)
         _scan_kernel[(1,)](chunk_counts, chunk_rows, num_chunks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,

@@ -29,9 +29,9 @@ import torch
 
 from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
-from rimuru.ops.moe_align import (CHUNK, MAX_SORT_PROGRAMS, ONE_PROGRAM_CHUNKS, SCAN_FROM_CHUNKS, align_tokens,
-                                  align_tokens_triton, count_chunk, gemm_layout, pair_blocks, sort_chunks,
-                                  uses_pair_blocks)
+from rimuru.ops.moe_align import (CHUNK, MAX_SORT_PROGRAMS, ONE_PROGRAM_CHUNKS, align_tokens,
+                                  align_tokens_triton, count_chunk, gemm_layout, pair_blocks, scans_counts,
+                                  sort_chunks, uses_pair_blocks)
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
 
@@ -82,14 +82,14 @@ def time_align(row, ids, shape, cfg, smoke):
     prefix summed in each scatter program or scanned once, 128-pair tiles where the op takes smaller ones, and half
     or twice the programs where the op's programs take several tiles."""
     num_pairs, num_experts = ids.numel(), shape["E"]
-    tile = count_chunk(num_pairs, num_experts)
+    tile, experts_pad = count_chunk(num_pairs, num_experts), 1 << (num_experts - 1).bit_length()
     pairs_each, num_chunks = sort_chunks(num_pairs, tile)
     if uses_pair_blocks(ids.shape[0], cfg.get("PAIR_BLOCKS")):  # one block a pair (`gemm_layout`): no sort
         row["align_us"], row["align_path"] = 0.0, "pair blocks, no sort"
     else:
         row["align_us"] = time_graph_us(lambda: align_tokens(ids, num_experts, cfg["BLOCK_M"]), smoke)
         row["align_path"] = "one program" if -(-num_pairs // CHUNK) <= ONE_PROGRAM_CHUNKS else \
-            f"count + {'scan + ' if num_chunks >= SCAN_FROM_CHUNKS else ''}scatter, {num_chunks} programs of " \
+            f"count + {'scan + ' if scans_counts(num_chunks, experts_pad) else ''}scatter, {num_chunks} programs of " \
             f"{pairs_each // tile} {tile}-pair tile(s)"
     paths = {}
     if num_chunks <= 8:

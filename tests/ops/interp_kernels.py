@@ -20,7 +20,7 @@ from rimuru.ops import reference  # noqa: E402
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
 from rimuru.ops import moe_align  # noqa: E402
 from rimuru.ops.moe_align import (MAX_SORT_PROGRAMS, align_tokens_torch, align_tokens_triton, count_chunk,  # noqa: E402
-                                  sort_chunks)
+                                  scans_counts, sort_chunks)
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
 from rimuru.ops.rms_norm import rms_norm_triton  # noqa: E402
@@ -260,7 +260,7 @@ def test_align_tokens_count_and_scatter_at_every_chunk_size(chunk, scan):
 @pytest.mark.parametrize("num_pairs,num_experts,block_m", [(9000, 4, 16), (2000, 60, 64), (1000, 128, 16),
                                                            (20000, 128, 128), (300, 5, 16), (16384, 60, 128),
                                                            (6000, 160, 64)])  # 160: 32-pair tiles, a 2-pass scan
-@pytest.mark.parametrize("scan", [None, False, True])  # None: the path the op takes (a scan from 17 programs)
+@pytest.mark.parametrize("scan", [None, False, True])  # None: the path the op takes (`scans_counts`)
 @pytest.mark.parametrize("max_programs", [MAX_SORT_PROGRAMS, 5])
 def test_align_tokens_with_and_without_the_scan(num_pairs, num_experts, block_m, scan, max_programs):
     """Many tiles (313 of 64 pairs for 20,000 with 128 experts: 105 programs of 3 tiles): the scanned starts give
@@ -271,6 +271,8 @@ def test_align_tokens_with_and_without_the_scan(num_pairs, num_experts, block_m,
     for a, b in zip(ref, tri):
         assert torch.equal(a, b)
     assert sort_chunks(32768, 64) == (256, 128) and sort_chunks(20000, 64) == (192, 105)
+    # the op scans Qwen3's table at 1,024 tokens and up (128 programs x 128 experts), not Qwen1.5's (x 64)
+    assert scans_counts(128, 128) and not scans_counts(128, 64) and not scans_counts(32, 64)
 
 
 @pytest.mark.parametrize("shape", [(1, 72), (3, 24), (130, 2048), (5, 4, 17)])
