@@ -231,8 +231,8 @@ hostphases() {  # the host time of each part of a decode step, paper rule agains
     # shellcheck disable=SC2086
     timeout 150 python tools/profile_step.py "$MODEL" "${DUMMY[@]}" --stream "$STREAM" --steps 100 \
       --gpu-memory-budget "$BUDGET" --expert-ranking "$ranking" --adjuster "$adjuster" --max-num-seqs 8 \
-      --no-mixed-cuda-graphs $SKEW_FLAGS ${PROFILE_FLAGS:---num-requests 1} > "$OUT/hostphases-$adjuster.txt" 2>&1
-    echo "-- $adjuster"; grep -E "^decode step|^  " "$OUT/hostphases-$adjuster.txt" | head -14
+      --no-mixed-cuda-graphs $SKEW_FLAGS ${PROFILE_FLAGS:---num-requests 1} > "$OUT/hostphases-$(basename "$MODEL")-$adjuster.txt" 2>&1
+    echo "-- $adjuster"; grep -E "^decode step|^  " "$OUT/hostphases-$(basename "$MODEL")-$adjuster.txt" | head -14
   done
 }
 
