@@ -8,7 +8,7 @@ nominates its hottest offloaded expert and the hottest nominee goes first.
 
 import heapq
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from rimuru.expert_ranking import ExpertRanking
@@ -63,9 +63,11 @@ class Adjuster:
             return []  # most rounds: no layer's ranking is walked
         return list(itertools.islice(self.eviction_order(offloaded), max(count, 0)))
 
-    def nominate_additions(self, count: int, offloaded: dict[int, set[int]]) -> list[tuple[int, int]]:
-        """Up to `count` offloaded experts, hottest nominee first."""
-        waiting = {layer: _in(self.ranking.hottest_first(layer), on_host)
+    def nominate_additions(self, count: int, offloaded: dict[int, set[int]],
+                           held: Callable[[int, int], bool] | None = None) -> list[tuple[int, int]]:  # fmt: skip
+        """Up to `count` offloaded experts, hottest nominee first, skipping those `held(layer, expert)` keeps out
+        (asked only of the experts the walk reaches)."""
+        waiting = {layer: _in(self.ranking.hottest_first(layer), on_host, layer, held)
                    for layer, on_host in offloaded.items() if on_host and count > 0}  # fmt: skip
         return list(itertools.islice(self._merged(waiting, None, lambda share: -share), max(count, 0)))
 
@@ -102,5 +104,5 @@ def _not_in(experts, on_host: set[int]):
     return (e for e in experts if e not in on_host)
 
 
-def _in(experts, on_host: set[int]):
-    return (e for e in experts if e in on_host)
+def _in(experts, on_host: set[int], layer: int = 0, held: Callable[[int, int], bool] | None = None):
+    return (e for e in experts if e in on_host and not (held and held(layer, e)))

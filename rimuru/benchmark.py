@@ -117,6 +117,7 @@ def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
 def _counters(engine: Engine) -> dict:
     """The engine's running totals, so a record counts only its own run (not a warm-up before it)."""
     return {"forward_steps": engine.num_steps, "graph_steps": engine.runner.num_graph_steps,
+            "adjuster_seconds": engine.adjuster_seconds,
             "preemptions": engine.scheduler.num_preemptions,
             "experts": engine.expert_manager.stats_dict()}  # fmt: skip  # counters only, not the pool's gauges
 
@@ -151,6 +152,7 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
         "hook_seconds": round(experts["hook_seconds"], 3),
         "routing_wait_seconds": round(experts["routing_wait_seconds"], 3),  # of it, the GPU finishing layers
         "prefetch_seconds": round(experts["prefetch_seconds"], 3),  # of it, issuing prefetches (graphs: overlapped)
+        "adjuster_seconds": round(engine.adjuster_seconds - before["adjuster_seconds"], 3),  # host, between passes
         "peak_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
         "series": series,
     }

@@ -69,6 +69,7 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.peak_running = 0  # most requests running at once so far
+        self.adjuster_seconds = 0.0  # host time in the adjuster's round and the cost rule's `observe`, so far
         self.closed = False
 
     def _fit_max_model_len(self, requested: int | None) -> None:
@@ -237,15 +238,20 @@ class Engine:
         self._check_open()
         batch = self.scheduler.schedule()
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
-        self.expert_manager.begin_step(self._adjust(batch.kv_shortfall_pages))
+        adjusting = time.perf_counter()
+        changes = self._adjust(batch.kv_shortfall_pages)
         start = time.perf_counter()
+        self.adjuster_seconds += start - adjusting
+        self.expert_manager.begin_step(changes)
         try:
             return self._run(batch)
         finally:
             self.expert_manager.end_step()
             if isinstance(self.adjuster, CostAdjuster):  # the step's wall time: forward, sampling, expert copies
-                self.adjuster.observe(time.perf_counter() - start, batch.num_tokens, self.scheduler.waiting,
+                observing = time.perf_counter()
+                self.adjuster.observe(observing - start, batch.num_tokens, self.scheduler.waiting,
                                       len(self.scheduler.running), self.allocator.num_used_pages(KV))
+                self.adjuster_seconds += time.perf_counter() - observing
 
     def _adjust(self, kv_shortfall_pages: int) -> ChangeList:
         if self.adjuster is None:

@@ -28,6 +28,7 @@ class Request:
     stop_reason: int | str | None = None
     logprobs: list[dict[int, float]] | None = None
     num_preemptions: int = 0
+    waiting_since: float = 0.0  # time.monotonic() when it last joined the waiting queue (set by the scheduler)
     detokenizer: object | None = None  # the output text so far (an IncrementalDetokenizer), made by StopChecker
 
     @property

@@ -9,6 +9,7 @@ cover them (`reclaimable_expert_pages`), a request that does not fit simply sits
 preempted: the evicted experts' pages serve it next round.
 """
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -51,6 +52,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        request.waiting_since = time.monotonic()
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -110,6 +112,7 @@ class Scheduler:
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
+        request.waiting_since = time.monotonic()
         self.waiting.appendleft(request)
         batch.preempted.append(request)
 

@@ -38,8 +38,9 @@ def cost_adjuster(ranking: ExpertRanking, offloaded: dict[int, set[int]], limit:
     host_tables = torch.zeros(len(layers), len(ranking.shares[layers[0]]), 3, dtype=torch.int32)  # as ExpertStore's
     for layer, experts in offloaded.items():
         host_tables[layer, list(experts)] = -1
+    rows = torch.tensor(layers)
     store = SimpleNamespace(host=host, layer_ids=layers, offloaded=offloaded,
-                            host_mask=lambda: host_tables[layers, :, 2] < 0,
+                            host_mask=lambda: host_tables.index_select(0, rows)[:, :, 2] < 0,
                             copier=SimpleNamespace(take_timings=lambda: (0, 0.0)))  # fmt: skip
     popularity = ExpertPopularity(ranking, len(ranking.shares[layers[0]]))
     adjuster = CostAdjuster(popularity, limit, store, top_k=4, reads_in_place=lambda: 0, kv_pages_per_expert_page=44)
@@ -68,7 +69,7 @@ def main():
     ranking = skewed_ranking(args.layers, args.experts)
     offloaded = {layer: set(range(args.experts - args.offloaded, args.experts)) for layer in range(args.layers)}
     paper, cost = Adjuster(ranking, args.limit), cost_adjuster(ranking, offloaded, args.limit)
-    waiting = [SimpleNamespace(request_id=str(i)) for i in range(args.waiting)]
+    waiting = [SimpleNamespace(request_id=str(i), waiting_since=time.monotonic()) for i in range(args.waiting)]
 
     def cost_round():
         cost.adjust(0, 0, offloaded)

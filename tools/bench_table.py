@@ -4,16 +4,21 @@
 
 Columns: output tok/s and the ratio to the first record, TTFT mean / median / p99, TPOT median, peak / mean
 running, forward steps, preemptions, evictions / additions (and swaps), bytes copied and host experts read in place
-(each also a step), prefetch hit rate, wall time / routing-hook time / of it the wait for the router, per step, and
-the peak reserved GPU memory.
+(each also a step), prefetch hit rate, wall time / routing-hook time / of it the wait for the router / the
+adjuster's host time (its round and the cost rule's `observe`), per step, and the peak reserved GPU memory.
 """
 
 import argparse
 import json
 
 HEADER = ("| policy | output tok/s | vs first | TTFT mean / median / p99 | TPOT median | peak / mean running "
-          "| steps | preemptions | evictions / additions | copied, read in place | prefetch hit rate | step / hook / router wait "
+          "| steps | preemptions | evictions / additions | copied, read in place | prefetch hit rate | step / hook / router wait / adjuster "
           "| peak reserved |")
+
+
+# a step's wall time, the routing hook's host time, the part of it waiting for the router, the adjuster's host time
+# (records written before the engine counted it lack the last: 0)
+STEP_TIMES = ("wall_s", "hook_seconds", "routing_wait_seconds", "adjuster_seconds")
 
 
 def row(label: str, record: dict, baseline: float) -> str:
@@ -35,8 +40,7 @@ def row(label: str, record: dict, baseline: float) -> str:
         changes,
         _traffic(copied, record.get("direct_reads"), steps),
         "-" if hit is None else f"{100 * hit:.1f}%",
-        " / ".join(f"{1e3 * record[k] / steps:.1f}" for k in ("wall_s", "hook_seconds", "routing_wait_seconds"))
-        + " ms",
+        " / ".join(f"{1e3 * record.get(k, 0.0) / steps:.2f}" for k in STEP_TIMES) + " ms",
         f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB" if record.get("peak_reserved_bytes") else "-",
     ]
     if record.get("truncated_at_s") is not None:

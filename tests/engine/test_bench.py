@@ -73,6 +73,7 @@ def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
     record = json.loads(out.read_text())
     counters = ("evictions", "additions", "swaps", "bytes_copied", "hook_seconds", "routing_wait_seconds")
     assert record["forward_steps"] > 0 and all(record[key] >= 0 for key in counters)
+    assert 0 < record["adjuster_seconds"] < record["wall_s"]  # the rule's host time, between the passes
     measured = [s for s in record["series"] if "cost_calibration" in s]  # the rule's view, once it has measured
     assert measured and all(set(SERIES_ESTIMATES) <= s.keys() for s in measured)
     assert record["series"][-1]["direct_reads"] == record["direct_reads"]  # cumulative, like the prefetch counters

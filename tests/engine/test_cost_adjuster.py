@@ -115,6 +115,32 @@ def test_cost_adjuster_never_bounces_and_slo_overrides():
     assert adjuster.adjust(4, 0, offloaded, stalled=True).evict == [(0, 3), (0, 2)]  # nothing else frees pages
 
 
+def test_the_ttft_target_reads_the_longest_wait_since_joining_the_queue():
+    """The scheduler stamps a request as it joins the waiting queue (and again when preempted); the rule's
+    `oldest_wait_s` is the longest of those waits among the requests waiting now, 0 with none."""
+    import time
+
+    from rimuru.request import Request
+    from rimuru.sampling_params import SamplingParams
+    from rimuru.scheduler import Scheduler, SchedulerConfig
+
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv_cache=None)
+    before = time.monotonic()
+    scheduler.add(request := Request("a", [1, 2], SamplingParams(), max_tokens=4))
+    assert before <= request.waiting_since <= time.monotonic()
+    popularity = ExpertPopularity(ExpertRanking({0: (0.5, 0.5)}), 2)
+    adjuster = CostAdjuster(popularity, 1, fake_store({0: set()}, num_experts=2), top_k=1,
+                            thresholds=CostThresholds(ttft_slo=5.0))  # fmt: skip
+    now = time.monotonic()
+    waiting = [SimpleNamespace(waiting_since=now - 1.0), SimpleNamespace(waiting_since=now - 6.0)]
+    adjuster.observe(0.01, 4, waiting)
+    assert adjuster.oldest_wait_s == pytest.approx(6.0, abs=0.5) and adjuster.slo_missed
+    adjuster.observe(0.01, 4, waiting[:1])
+    assert adjuster.oldest_wait_s == pytest.approx(1.0, abs=0.5) and not adjuster.slo_missed
+    adjuster.observe(0.01, 4, [])
+    assert adjuster.oldest_wait_s == 0.0
+
+
 def test_copies_hide_under_the_compute_and_direct_reads_do_not():
     """One layer of 4 experts (1 MB, 1 GB/s: 1 ms a read), one token of top-1, a 10 ms step of 20 requests, 0.1
     requests an expert. The two nominees are touched 0.1 and 0.2 of steps: 0.1 and 0.2 ms. Copied in, both hide
