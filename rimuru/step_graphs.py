@@ -84,9 +84,10 @@ def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_
         return None
     sizes = graph_batch_sizes(max_num_seqs)
     mixed = mixed_token_sizes(mixed_tokens)
+    count_pass = experts.count_pass if experts.counts_routing else None  # the routing counted inside the graphs
     graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
                         scratch_page, sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
-                        mixed_sizes=mixed, count_pass=experts.count_pass if experts.counts_routing else None)  # fmt: skip
+                        mixed_sizes=mixed, count_pass=count_pass)  # fmt: skip
     start = time.perf_counter()
     try:
         graphs.capture_all(progress)

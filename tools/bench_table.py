@@ -12,7 +12,8 @@ import argparse
 import json
 
 HEADER = ("| policy | output tok/s | vs first | TTFT mean / median / p99 | TPOT median | peak / mean running "
-          "| steps | preemptions | evictions / additions | copied, read in place | prefetch hit rate | step / hook / router wait / adjuster "
+          "| steps | preemptions | evictions / additions | copied, read in place | prefetch hit rate "
+          "| step / hook / router wait / adjuster "
           "| peak reserved |")
 
 
