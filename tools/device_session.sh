@@ -8,6 +8,11 @@
 #   python3 ../shared/workloads/sharegpt_synth.py --num 200 --rate 0 --seed 0 > .bench/stream-200-r0.jsonl
 #   python3 ../shared/workloads/sharegpt_synth.py --num 400 --rate 0 --seed 0 > .bench/stream-400-r0.jsonl
 #   python3 ../shared/workloads/sharegpt_synth.py --num 100 --rate 10 --seed 0 > .bench/stream-100-r10.jsonl
+# and the profiled expert rankings, which save the jobs a minute of profiling each (same seeds and skews):
+#   cp docs/benchmarks/qwen1.5-moe-skew1-expert_ranking.json .bench/qwen1.5-moe-a2.7b/expert_ranking.json
+#   cp docs/benchmarks/paper-scenario/expert_ranking-qwen1.5-skew0.5.json .bench/qwen1.5-moe-a2.7b/expert_ranking-skew0.5.json
+#   mkdir -p .bench/qwen3-30b-a3b && cp ../shared/models/qwen3-30b-a3b/config.json .bench/qwen3-30b-a3b/
+#   cp docs/benchmarks/qwen3-30b-a3b-skew1-expert_ranking.json .bench/qwen3-30b-a3b/expert_ranking.json
 # Jobs:
 #   gputests  every @pytest.mark.gpu test (ops, models, engine: CUDA graphs against eager); GPUTESTS=paths narrows it
 #   kernels   the split-KV decode attention sweep and the top-k sum (docs/benchmarks/kernels.md)
