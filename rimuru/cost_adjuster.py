@@ -195,27 +195,35 @@ class CostAdjuster:
         """Host experts that became hotter than resident ones (online popularity), outside their cooling time: an
         expert swapped in or out stays put for `readd_after_rounds` rounds, so a swap never bounces. A swap copies
         one expert in, so it must save at least one host touch (a read or a copy of the same bytes) over those
-        rounds: a touch gain a step of 1 / `readd_after_rounds` (`swap_min_touch_gain` overrides it)."""
-        t, share, tokens = self.thresholds, self.popularity.probabilities, self.cost.tokens_per_step
-        if not tokens:
+        rounds: a touch gain a step of 1 / `readd_after_rounds` (`swap_min_touch_gain` overrides it). Each layer's
+        pairing reads only its ends (`_ends`), found for all layers at once over [L, E]."""
+        t, tokens = self.thresholds, self.cost.tokens_per_step
+        on_host = self.store.host_mask()  # [L, E]
+        if not tokens or not on_host.any():
             return []
-        settled = self.thresholds.readd_after_rounds
-
-        def movable(layer: int, expert: int) -> bool:
-            swapped = self.swapped_in_at.get((layer, expert))
-            return not self._cooling(layer, expert) and (swapped is None or self.round - swapped >= settled)
-
-        host, resident = {}, {}
-        for layer, experts in offloaded.items():
-            if experts:
-                shares, count = share(layer), t.max_swaps_per_round
-                hottest = sorted(experts, key=lambda e: (-shares[e], e))
-                host[layer] = _ends(hottest, shares, lambda e: movable(layer, e), count)
-                coldest = reversed(self.popularity.hottest_first(layer))
-                resident[layer] = _ends(coldest, shares, lambda e: e not in experts and movable(layer, e), count)
+        movable = ~self._recently_moved()  # [L, E]
+        shares, hottest = self.popularity.matrix(), self.popularity.order_matrix()  # [L, E] each
+        layers = [layer for layer, row in zip(self.popularity.layer_ids, on_host.any(dim=1).tolist()) if row]
+        walks = torch.stack([hottest, hottest.flip(1)])  # [2, L, E]: host experts hottest first, resident coldest
+        wanted = torch.stack([on_host & movable, ~on_host & movable])
+        host, resident = _ends(walks, shares, wanted, t.max_swaps_per_round, self.popularity.layer_ids, layers)
+        settled = t.readd_after_rounds
         min_gain = 1 / settled if t.swap_min_touch_gain is None else t.swap_min_touch_gain
         return plan_swaps(host, resident, t.swap_margin, t.max_swaps_per_round,
                           lambda p: touch_probability(p, tokens, self.top_k), min_gain)  # fmt: skip
+
+    def _recently_moved(self) -> torch.Tensor:
+        """[L, E] True for the experts evicted, swapped out or swapped in within `readd_after_rounds` rounds (they
+        stay put); older entries leave the records here, which keeps them as small as the recent moves."""
+        settled = self.thresholds.readd_after_rounds
+        for moves in (self.evicted_at, self.swapped_in_at):
+            for key in [key for key, moved in moves.items() if self.round - moved >= settled]:
+                del moves[key]
+        blocked = torch.zeros(self.popularity.matrix().shape, dtype=torch.bool)
+        keys = [*self.evicted_at, *self.swapped_in_at]
+        if keys:
+            blocked[[self.popularity.row[layer] for layer, _ in keys], [expert for _, expert in keys]] = True
+        return blocked
 
     # ---- after the forward pass --------------------------------------------------------------------------------
 
@@ -324,13 +332,21 @@ class CostAdjuster:
         return min(high, max(low, self.measured_copy_s / self.predicted_copy_s))
 
 
-def _ends(order: Iterable[int], shares: Sequence[float], wanted: Callable[[int], bool], count: int) -> dict[int, float]:
-    """{expert: share} of the first `count` experts in `order` that are `wanted`, and any wanted ones after them of
-    the same share as the last (`plan_swaps` breaks such ties by id): all that one layer's pairing can reach."""
-    picked: dict[int, float] = {}
-    for expert in order:
-        if len(picked) >= count and shares[expert] != shares[next(reversed(picked))]:
-            break
-        if wanted(expert):
-            picked[expert] = shares[expert]
-    return picked
+def _ends(walks: torch.Tensor, shares: torch.Tensor, wanted: torch.Tensor, count: int, layer_ids: list[int],
+          layers: list[int]) -> list[dict[int, dict[int, float]]]:  # fmt: skip
+    """For each walk w ([W, L, E] expert ids, shares ([L, E]) monotone along each row), {layer: {expert: share}} for
+    `layers`: the first `count` experts that are `wanted[w]` ([W, L, E] bool), and any wanted ones after them of the
+    same share as the last (`plan_swaps` breaks such ties by id): all that one layer's pairing can reach."""
+    along = shares.expand_as(walks).gather(2, walks)  # [W, L, E] in walking order
+    keep = wanted.gather(2, walks)
+    rank = keep.cumsum(dim=2)  # wanted experts so far, this one included
+    nth = keep & (rank == count)  # the count-th wanted one, where a row has that many
+    last = torch.where(nth, along, 0.0).sum(dim=2, keepdim=True)  # its share (one term: exact)
+    picked = keep & ((rank <= count) | (nth.any(dim=2, keepdim=True) & (along == last)))
+    found: list[dict[int, dict[int, float]]] = [{layer: {} for layer in layers} for _ in range(walks.shape[0])]
+    index = picked.nonzero(as_tuple=True)
+    for walk, row, expert, share in zip(index[0].tolist(), index[1].tolist(), walks[index].tolist(),
+                                        along[index].tolist()):  # fmt: skip
+        if layer_ids[row] in found[walk]:
+            found[walk][layer_ids[row]][expert] = share
+    return found

@@ -69,10 +69,16 @@ class ExpertPopularity:
             self._matrix = torch.where(totals > 0, self.counts / totals.clamp_min(1e-300), uniform)
         return self._matrix
 
+    def order_matrix(self) -> torch.Tensor:
+        """[L, E] int64: each layer's expert ids hottest first, as `hottest_first`. Cached until `flush`."""
+        if not self._order:
+            self._derive()
+        return self._order_matrix
+
     def _derive(self) -> None:
         """Every layer's shares and order at once (one host copy and one stable sort of the [L, E] matrix, not a
         Python sort a layer: 48 layers x 128 experts took a millisecond that way, in the gap between two steps)."""
         matrix = self.matrix()
-        order = torch.sort(-matrix, dim=1, stable=True).indices  # stable: equal shares keep the lower id first
+        order = self._order_matrix = torch.sort(-matrix, dim=1, stable=True).indices  # stable: lower id first on ties
         self._probs = dict(zip(self.layer_ids, matrix.tolist()))
         self._order = {layer: tuple(row) for layer, row in zip(self.layer_ids, order.tolist())}
