@@ -25,9 +25,10 @@ class ExpertPopularity:
         prior = torch.tensor([ranking.shares[layer] for layer in self.layer_ids], dtype=torch.float64)  # [L, E]
         self.counts = prior * prior_routings  # [L, E] decayed routings, on the host
         self.pending = torch.zeros(len(self.layer_ids), num_experts, dtype=torch.int64, device=device)  # [L, E]
-        self._probs: dict[int, list[float]] = {}  # layer -> [E] shares, cached between flushes
-        self._order: dict[int, tuple[int, ...]] = {}  # layer -> expert ids hottest first, the same
+        self._probs: dict[int, list[float]] = {}  # layer -> [E] shares (rows of `matrix`), cached between flushes
+        self._order: dict[int, tuple[int, ...]] = {}  # layer -> expert ids hottest first (rows of `order_matrix`)
         self._matrix: torch.Tensor | None = None  # [L, E] the shares, the same
+        self._order_matrix: torch.Tensor | None = None  # [L, E] each row's expert ids hottest first, the same
 
     def record(self, layer: int, topk_ids: torch.Tensor) -> None:
         """Count one layer's routing ([T, K] expert ids) on the device. No host sync."""
@@ -44,21 +45,21 @@ class ExpertPopularity:
         copy)."""
         self.counts = self.counts * self.decay**num_steps + self.pending.cpu().double()
         self.pending.zero_()
-        self._probs, self._order, self._matrix = {}, {}, None
+        self._probs, self._order, self._matrix, self._order_matrix = {}, {}, None, None
 
     def share(self, layer: int, expert: int) -> float:
         return self.probabilities(layer)[expert]
 
     def probabilities(self, layer: int) -> list[float]:
         """[E] each expert's share of the layer's routings (sums to 1). Do not mutate: cached until `flush`."""
-        if not self._probs:
-            self._derive()
+        if layer not in self._probs:
+            self._probs[layer] = self.matrix()[self.row[layer]].tolist()
         return self._probs[layer]
 
     def hottest_first(self, layer: int) -> list[int]:
         """Expert ids of `layer`, hottest first; equal shares keep the lower id first. Cached until `flush`."""
-        if not self._order:
-            self._derive()
+        if layer not in self._order:
+            self._order[layer] = tuple(self.order_matrix()[self.row[layer]].tolist())
         return list(self._order[layer])
 
     def matrix(self) -> torch.Tensor:
@@ -70,15 +71,9 @@ class ExpertPopularity:
         return self._matrix
 
     def order_matrix(self) -> torch.Tensor:
-        """[L, E] int64: each layer's expert ids hottest first, as `hottest_first`. Cached until `flush`."""
-        if not self._order:
-            self._derive()
+        """[L, E] int64: each layer's expert ids hottest first, as `hottest_first` (one stable sort of the matrix for
+        every layer, not a Python sort a layer: 48 layers x 128 experts took a millisecond that way, in the gap
+        between two steps). Cached until `flush`."""
+        if self._order_matrix is None:
+            self._order_matrix = torch.sort(-self.matrix(), dim=1, stable=True).indices  # stable: lower id first
         return self._order_matrix
-
-    def _derive(self) -> None:
-        """Every layer's shares and order at once (one host copy and one stable sort of the [L, E] matrix, not a
-        Python sort a layer: 48 layers x 128 experts took a millisecond that way, in the gap between two steps)."""
-        matrix = self.matrix()
-        order = self._order_matrix = torch.sort(-matrix, dim=1, stable=True).indices  # stable: lower id first on ties
-        self._probs = dict(zip(self.layer_ids, matrix.tolist()))
-        self._order = {layer: tuple(row) for layer, row in zip(self.layer_ids, order.tolist())}
