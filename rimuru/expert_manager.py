@@ -15,10 +15,11 @@ Inside a pass, `on_routing` runs before each MoE layer's kernel:
      the host issues the copies.
 The two buffers, each `buffer_experts` experts x 3 pages inside the pool, alternate by MoE layer ordinal.
 
-With an `ExpertPopularity` or direct reads, the routing is also counted on the device, once a pass: the hook only
-keeps each layer's top-k ids (`count_routing`, the whole hook when nothing needs copying) and `end_step` counts
-them all in a few kernels (`_count_pass`: the online popularity's routings and the host experts read in place),
-not a few kernels a layer; no host sync. `observers` see every routing too.
+With an `ExpertPopularity` or direct reads, the routing is also counted on the device, once a pass, with no host
+sync: the online popularity's routings and the host experts read in place. A pass the step graphs run counts itself
+in its last graph (`count_pass`, replayed with the pass: no kernel launched from the host). An eager pass's hook
+only keeps each layer's top-k ids (`count_routing`, the whole hook when nothing needs copying) and `end_step`
+counts them all in a few kernels (`_count_pass`), not a few kernels a layer. `observers` see every routing too.
 """
 
 import time
