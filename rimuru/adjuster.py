@@ -104,5 +104,5 @@ def _not_in(experts, on_host: set[int]):
     return (e for e in experts if e not in on_host)
 
 
-def _in(experts, on_host: set[int], layer: int = 0, held: Callable[[int, int], bool] | None = None):
+def _in(experts, on_host: set[int], layer: int, held: Callable[[int, int], bool] | None):
     return (e for e in experts if e in on_host and not (held and held(layer, e)))

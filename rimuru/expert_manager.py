@@ -19,7 +19,7 @@ With an `ExpertPopularity` or direct reads, the routing is also counted on the d
 sync: the online popularity's routings and the host experts read in place. A pass the step graphs run counts itself
 in its last graph (`count_pass`, replayed with the pass: no kernel launched from the host). An eager pass's hook
 only keeps each layer's top-k ids (`count_routing`, the whole hook when nothing needs copying) and `end_step`
-counts them all in a few kernels (`_count_pass`), not a few kernels a layer. `observers` see every routing too.
+counts them all in a few kernels (`_count_kept_ids`), not a few kernels a layer. `observers` see every routing too.
 """
 
 import time
@@ -151,22 +151,23 @@ class ExpertManager:
         return self.popularity is not None or self.direct
 
     def count_routing(self, layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
-        """Keep the layer's ids for `_count_pass` (no kernel here) and show the routing to the observers."""
+        """Keep the layer's ids for `_count_kept_ids` (no kernel here) and show the routing to the observers."""
         if self.counts_routing:
             self._keep_ids(layer, topk_ids)
         for observe in self.observers:
             observe(layer, hidden, topk_ids)
 
     def _keep_ids(self, layer: int, topk_ids: torch.Tensor) -> None:
-        """Keep a layer's ids for `_count_pass`; a caller that runs passes without `end_step` (a benchmark of the
-        hook) gets them counted every few passes instead of kept without end. A pass that counts itself keeps none."""
+        """Keep a layer's ids for `_count_kept_ids`; a caller that runs passes without `end_step` (a benchmark of
+        the hook) gets them counted every few passes instead of kept without end. A pass that counts itself keeps
+        none."""
         if self._counted_in_pass:
             return
         self._pass_ids.append((layer, topk_ids))
         if len(self._pass_ids) > 4 * len(self.moe_layers):
-            self._count_pass()
+            self._count_kept_ids()
 
-    def _count_pass(self) -> None:
+    def _count_kept_ids(self) -> None:
         """Count the routings the hooks kept this pass: tokens a (layer, expert) into the online popularity, and with
         direct reads each routed host expert once a layer (the tables are still the pass's: additions are published
         and evictions applied after this). About ten kernels a pass, wherever it ran (eager or graph pieces)."""
@@ -226,7 +227,7 @@ class ExpertManager:
         """After the pass: count its routing, publish what is still pending, then evict (their pages serve the next
         round), then swap: each swapped-in expert is copied into pages just freed, after the pass, and published
         during the next."""
-        self._count_pass()
+        self._count_kept_ids()
         for key in list(self.pending_add):
             self._publish(*key)
         for layer, expert in self.pending_evict:
@@ -268,7 +269,7 @@ class ExpertManager:
         if next_layer is not None and not self.store.offloaded[next_layer]:
             next_layer = None  # nothing of the next layer to prefetch
         if self.popularity is not None:
-            self._keep_ids(layer, topk_ids)  # counted after the pass (`_count_pass`)
+            self._keep_ids(layer, topk_ids)  # counted after the pass (`_count_kept_ids`)
         prefetch, routed = None, set()
         if self.store.offloaded[layer] or next_layer is not None:  # with nothing on the host, no host sync
             routed, votes = self._routing_on_host(layer, hidden, topk_ids, next_layer)

@@ -26,6 +26,7 @@ import contextlib
 import importlib
 
 import torch
+import triton
 
 from bench_kernels import MODELS, expert_pools, routing, time_ms
 from rimuru.ops.configs import moe_config
@@ -82,7 +83,7 @@ def time_align(row, ids, shape, cfg, smoke):
     prefix summed in each scatter program or scanned once, 128-pair tiles where the op takes smaller ones, and half
     or twice the programs where the op's programs take several tiles."""
     num_pairs, num_experts = ids.numel(), shape["E"]
-    tile, experts_pad = count_chunk(num_pairs, num_experts), 1 << (num_experts - 1).bit_length()
+    tile, experts_pad = count_chunk(num_pairs, num_experts), triton.next_power_of_2(num_experts)
     pairs_each, num_chunks = sort_chunks(num_pairs, tile)
     if uses_pair_blocks(ids.shape[0], cfg.get("PAIR_BLOCKS")):  # one block a pair (`gemm_layout`): no sort
         row["align_us"], row["align_path"] = 0.0, "pair blocks, no sort"

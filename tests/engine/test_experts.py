@@ -139,7 +139,7 @@ def test_direct_reads_change_speed_never_tokens(family, cuda_graphs):
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_direct_reads_count_each_routed_host_expert_once_a_layer_pass(family, cuda_graphs):
-    """The reads counted after each pass (`ExpertManager._count_pass`, all layers at once) are what an observer sees
+    """The reads counted after each pass (`ExpertManager._count_kept_ids`, all layers at once) are what an observer sees
     during it: for every layer, the routed experts that were on the host then."""
     folder, prompts, expected = family
     seen = []
