@@ -40,7 +40,7 @@ from dataclasses import dataclass
 import torch
 
 from rimuru.adjuster import Adjuster, ChangeList
-from rimuru.cost_model import CostModel, ema, exposed_seconds, kv_pages_freed, touch_probability
+from rimuru.cost_model import CostModel, copy_seconds, ema, exposed_seconds, kv_pages_freed, touch_probability
 from rimuru.popularity import ExpertPopularity
 
 
@@ -275,8 +275,7 @@ class CostAdjuster:
             return
         t, on_host = self.thresholds, self.store.host_mask()  # [L, E]
         host_shares = self.popularity.matrix()[on_host]  # [offloaded experts]
-        touched = touch_probability(host_shares, c.tokens_per_step, self.top_k)
-        predicted = float(touched.sum()) * self.expert_bytes / c.bandwidth
+        predicted = copy_seconds(host_shares, c.tokens_per_step, self.top_k, self.expert_bytes, c.bandwidth)
         scale, self._predicted_now = self._calibration(), predicted
         hidden = 0.0 if self.reads_in_place is not None else t.copy_compute_ratio * c.compute_s
         gained = kv_pages_freed(1, t.pages_per_expert, self.kv_pages_per_expert_page) / c.kv_pages_per_request
@@ -285,13 +284,14 @@ class CostAdjuster:
         exposed = (exposed_seconds(seconds, hidden) for seconds in link)
         self._affordable = profitable_evictions(c.compute_s, c.running, gained, exposed, t.eviction_band)
         self._all_nominees_passed = self._affordable == len(costs) == MAX_NOMINEES
-        self.estimates = self._estimates(touched, predicted, scale, gained, costs[0] if costs else 0.0)
+        self.estimates = self._estimates(host_shares, predicted, scale, gained, costs[0] if costs else 0.0)
 
-    def _estimates(self, touched: torch.Tensor, predicted_s: float, scale: float, gained: float,
+    def _estimates(self, host_shares: torch.Tensor, predicted_s: float, scale: float, gained: float,
                    next_eviction_s: float) -> dict[str, float]:  # fmt: skip
-        """The model's view for `expert_stats`, the metrics and the dashboard: why the pool moved. `touched`: each
-        offloaded expert's probability of being routed in a step."""
+        """The model's view for `expert_stats`, the metrics and the dashboard: why the pool moved. `host_shares`:
+        the offloaded experts' routing shares."""
         c = self.cost
+        touched = touch_probability(host_shares, c.tokens_per_step, self.top_k)  # each one's, in a step
         return {
             "cost_measured": 1,
             "cost_bandwidth_gb_s": c.bandwidth / 1e9,

@@ -401,6 +401,30 @@ def test_swaps_read_only_each_layers_ends_and_find_what_the_full_lists_find(data
     assert adjuster._swaps(offloaded) == expected
 
 
+@settings(max_examples=60, deadline=None)
+@given(st.data())
+def test_refresh_weighs_the_experts_the_eviction_order_nominates(data):
+    """`CostAdjuster._nominee_costs` (tensor operations over [L, E]) gives the link seconds of the experts
+    `Adjuster.eviction_order` nominates, in its order, on random shares (many tied), placements and caps."""
+    import itertools
+
+    num_layers, num_experts = data.draw(st.integers(1, 4)), data.draw(st.integers(2, 40))
+    levels = st.sampled_from([0.01, 0.02, 0.05, 0.1, 0.3])  # few values: ties
+    ranking = ExpertRanking({layer: tuple(v / sum(row) for v in row) for layer, row in {
+        layer: data.draw(st.lists(levels, min_size=num_experts, max_size=num_experts)) for layer in range(num_layers)
+    }.items()})  # fmt: skip
+    offloaded = {layer: set(data.draw(st.lists(st.integers(0, num_experts - 1), max_size=num_experts)))
+                 for layer in range(num_layers)}  # fmt: skip
+    limit = data.draw(st.integers(0, num_experts))
+    store = fake_store(offloaded, range(num_layers), num_experts)
+    adjuster = CostAdjuster(ExpertPopularity(ranking, num_experts), limit, store, top_k=2)
+    adjuster.cost.pin(bandwidth=1e9, tokens_per_step=8.0)
+    link_s = adjuster.expert_bytes / 1e9
+    nominees = itertools.islice(adjuster.nominator.eviction_order(offloaded), MAX_NOMINEES)
+    expected = [link_s * touch_probability(adjuster.popularity.share(*key), 8.0, 2) for key in nominees]
+    assert adjuster._nominee_costs(store.host_mask(), 1.0) == pytest.approx(expected, rel=1e-12)
+
+
 def test_swaps_change_speed_never_tokens(family):
     """Swaps forced every third round in a run that also evicts, adds and misses: the same tokens."""
     folder, prompts, expected = family
