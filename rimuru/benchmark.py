@@ -3,8 +3,9 @@
 Each request is submitted at its arrival time (seconds from the start; 0 for all = a throughput run), greedy with
 EOS ignored so its output length is the stream's `max_tokens`. The record holds throughput, TTFT / TPOT / ITL
 statistics, concurrency, the engine's expert traffic, the peak reserved GPU memory (proof that the budget held)
-and a per-step time series of the pool split and the queues. The stream format is one JSON object a line:
-{"id", "arrival", "prompt_token_ids", "max_tokens"}.
+and a per-step time series of the pool split, the queues and where the step's wall time went
+(`Engine.step_phases`). The stream format is one JSON object a line: {"id", "arrival", "prompt_token_ids",
+"max_tokens"}.
 """
 
 import json
@@ -101,6 +102,7 @@ def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
     reads = {"direct_reads": manager.direct_reads() - before["experts"]["direct_reads"]} if manager.direct else {}
     return {k: round(estimates[k], 4) for k in SERIES_ESTIMATES if k in estimates} | reads | {
         "t": round(now, 4),
+        **{f"{name}_ms": round(seconds * 1e3, 3) for name, seconds in engine.step_phases.items()},
         "running": len(engine.scheduler.running),
         "waiting": len(engine.scheduler.waiting),
         "tokens": num_tokens,

@@ -70,6 +70,7 @@ class Engine:
         self.num_steps = 0
         self.peak_running = 0  # most requests running at once so far
         self.adjuster_seconds = 0.0  # host time in the adjuster's round and the cost rule's `observe`, so far
+        self.step_phases: dict[str, float] = {}  # the last step's wall seconds by phase (`_PhaseClock`)
         self.closed = False
 
     def _fit_max_model_len(self, requested: int | None) -> None:
@@ -236,22 +237,24 @@ class Engine:
     def step(self) -> list[Request]:
         """One scheduling round; returns the requests that got a token or finished (finished ones are forgotten)."""
         self._check_open()
+        clock = _PhaseClock()
         batch = self.scheduler.schedule()
         self.peak_running = max(self.peak_running, len(self.scheduler.running))
-        adjusting = time.perf_counter()
+        clock.lap("schedule")
         changes = self._adjust(batch.kv_shortfall_pages)
-        start = time.perf_counter()
-        self.adjuster_seconds += start - adjusting
+        self.adjuster_seconds += clock.lap("adjust")
         self.expert_manager.begin_step(changes)
         try:
             return self._run(batch)
         finally:
+            forward = clock.lap("forward")  # the pass and sampling, which waits for the GPU
             self.expert_manager.end_step()
+            forward += clock.lap("expert_changes")
             if isinstance(self.adjuster, CostAdjuster):  # the step's wall time: forward, sampling, expert copies
-                observing = time.perf_counter()
-                self.adjuster.observe(observing - start, batch.num_tokens, self.scheduler.waiting,
+                self.adjuster.observe(forward, batch.num_tokens, self.scheduler.waiting,
                                       len(self.scheduler.running), self.allocator.num_used_pages(KV))
-                self.adjuster_seconds += time.perf_counter() - observing
+                self.adjuster_seconds += clock.lap("observe")
+            self.step_phases = clock.phases
 
     def _adjust(self, kv_shortfall_pages: int) -> ChangeList:
         if self.adjuster is None:
@@ -283,3 +286,15 @@ class Engine:
             self.scheduler.finish(request, reason)
             self.requests.pop(request.request_id, None)
 
+
+class _PhaseClock:
+    """Wall seconds of a step's phases, each from the end of the one before: `lap(name)` closes a phase."""
+
+    def __init__(self):
+        self.phases: dict[str, float] = {}
+        self._last = time.perf_counter()
+
+    def lap(self, name: str) -> float:
+        now = time.perf_counter()
+        self.phases[name], self._last = now - self._last, now
+        return self.phases[name]

@@ -77,6 +77,11 @@ def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
     measured = [s for s in record["series"] if "cost_calibration" in s]  # the rule's view, once it has measured
     assert measured and all(set(SERIES_ESTIMATES) <= s.keys() for s in measured)
     assert record["series"][-1]["direct_reads"] == record["direct_reads"]  # cumulative, like the prefetch counters
+    phases = ("schedule_ms", "adjust_ms", "forward_ms", "expert_changes_ms", "observe_ms")
+    steps = list(zip(record["series"], record["series"][1:]))
+    assert all(set(phases) <= s.keys() for s in record["series"])  # where each step's wall time went
+    assert all(sum(s[p] for p in phases) <= (s["t"] - before["t"]) * 1e3 + 0.1 for before, s in steps)
+    assert sum(s["adjust_ms"] + s["observe_ms"] for s in record["series"]) / 1e3 <= record["adjuster_seconds"] + 0.01
     paths = plot_bench.main([str(tmp_path / "plots"), f"cost={out}"])
     assert any(p.endswith("cost-rule-0-cost.png") for p in paths)
 
