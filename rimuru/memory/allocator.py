@@ -75,6 +75,8 @@ class PageAllocator:
         self._huge_split: dict[int, list] = {}  # huge id -> [middle kind, children not free]
         self._free_middle = {k: _FreeMiddle() for k in MIDDLE_KINDS}
         self._splits: dict[int, _Split] = {}  # expert page id -> its small pages
+        # parents split now, by the kind of their children: what `stats` reads the padding from without a walk
+        self._num_split = dict.fromkeys(MIDDLE_KINDS + SMALL_KINDS, 0)
         self._partial = {k: {} for k in SMALL_KINDS}  # ordered sets of split pages with a free small page
         self._num_free_small = dict.fromkeys(SMALL_KINDS, 0)
         self._num_used = dict.fromkeys(MIDDLE_KINDS + SMALL_KINDS, 0)
@@ -139,6 +141,7 @@ class PageAllocator:
         if page_id is None:
             huge_id = heapq.heappop(self._free_huge)
             self._huge_split[huge_id] = [kind, 0]
+            self._num_split[kind] += 1
             first = huge_id * self.children[kind]
             for child in range(first, first + self.children[kind]):
                 self._free_middle[kind].push(child)
@@ -158,6 +161,7 @@ class PageAllocator:
         while len(taken) < num_pages:
             home = self._take_middle(EXPERT)
             self._splits[home] = _Split(kind, home * self.children[kind], self.children[kind])
+            self._num_split[kind] += 1
             self._num_free_small[kind] += self.children[kind]
             self._carve(home, kind, num_pages - len(taken), taken)
         self._home[(owner, kind)] = home
@@ -233,6 +237,7 @@ class PageAllocator:
                 continue
             self._num_free_small[kind] -= len(split.free)
             del splits[parent]
+            self._num_split[kind] -= 1
             partial.pop(parent, None)
             self._release_middle(EXPERT, parent)
 
@@ -246,6 +251,7 @@ class PageAllocator:
         first = huge_id * self.children[kind]
         self._free_middle[kind].ids.difference_update(range(first, first + self.children[kind]))
         del self._huge_split[huge_id]
+        self._num_split[kind] -= 1
         heapq.heappush(self._free_huge, huge_id)
 
     # ---- accounting --------------------------------------------------------------------------------------------
@@ -257,10 +263,9 @@ class PageAllocator:
         free = len(self._free_huge) * self.sizes.huge_page_bytes
         free += sum(len(self._free_middle[k]) * self.payload[k] for k in MIDDLE_KINDS)
         padding = self.pool_bytes - self.num_huge_pages * self.sizes.huge_page_bytes
-        for kind, _ in self._huge_split.values():
-            padding += self.sizes.huge_page_bytes - self.children[kind] * self.payload[kind]
-        for split in self._splits.values():
-            padding += self.sizes.expert_page_bytes - self.children[split.kind] * self.payload[split.kind]
+        for kind, count in self._num_split.items():  # counted, not walked: read every step by metrics and benches
+            parent_bytes = self.sizes.huge_page_bytes if kind in MIDDLE_KINDS else self.sizes.expert_page_bytes
+            padding += count * (parent_bytes - self.children[kind] * self.payload[kind])
         return {
             "pool_bytes": self.pool_bytes,
             "free_bytes": free,
