@@ -6,6 +6,10 @@ Columns: output tok/s and the ratio to the first record, TTFT mean / median / p9
 running, forward steps, preemptions, evictions / additions (and swaps), bytes copied and host experts read in place
 (each also a step), prefetch hit rate, wall time / routing-hook time / of it the wait for the router / the
 adjuster's host time (its round and the cost rule's `observe`), per step, and the peak reserved GPU memory.
+
+`--phases` prints instead where the steps' wall time went (records since fc8bf78, `Engine.step_phases`): for each
+record and each band of running requests, the mean ms a step of each phase, "outside" the bench's own work between
+steps, and the experts on the host.
 """
 
 import argparse
@@ -62,20 +66,50 @@ def _g(value) -> str:
 
 
 def table(specs: list[str]) -> str:
-    records = []
-    for spec in specs:
-        label, _, path = spec.rpartition("=")
-        with open(path) as f:
-            records.append((label or path, json.load(f)))
+    records = _load(specs)
     baseline = records[0][1]["output_tokens_per_s"]
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     return "\n".join(lines + [row(label, record, baseline) for label, record in records])
 
 
+PHASES = ("schedule", "adjust", "forward", "expert_changes", "observe")
+BANDS = (0, 8, 16, 32, 64)  # requests running after the step: 0-7, 8-15, ..., 64 and more
+
+
+def phase_table(specs: list[str]) -> str:
+    """Mean ms a step by phase, per band of running requests, a row a (record, band)."""
+    header = "| policy | running | steps | step | " + " | ".join(PHASES) + " | outside | on the host |"
+    lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
+    for label, record in _load(specs):
+        series = record["series"]
+        for low, high in zip(BANDS, BANDS[1:] + (None,)):
+            steps = [(prev, s) for prev, s in zip(series, series[1:]) if low <= s["running"] < (high or 1 << 30)]
+            if not steps:
+                continue
+            mean = {p: sum(s.get(f"{p}_ms", 0.0) for _, s in steps) / len(steps) for p in PHASES}
+            wall = sum(s["t"] - prev["t"] for prev, s in steps) * 1e3 / len(steps)
+            host = sum(s["offloaded_experts"] for _, s in steps) / len(steps)
+            cells = [label, f"{low}-{high - 1}" if high else f"{low}+", f"{len(steps):,}", f"{wall:.2f}"]
+            cells += [f"{mean[p]:.2f}" for p in PHASES] + [f"{wall - sum(mean.values()):.2f}", f"{host:.0f}"]
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _load(specs: list[str]) -> list[tuple[str, dict]]:
+    records = []
+    for spec in specs:
+        label, _, path = spec.rpartition("=")
+        with open(path) as f:
+            records.append((label or path, json.load(f)))
+    return records
+
+
 def main(argv: list[str] | None = None) -> str:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("records", nargs="+", metavar="LABEL=RECORD.json")
-    text = table(parser.parse_args(argv).records)
+    parser.add_argument("--phases", action="store_true", help="where the steps' time went, by running requests")
+    args = parser.parse_args(argv)
+    text = (phase_table if args.phases else table)(args.records)
     print(text)
     return text
 

@@ -82,6 +82,9 @@ def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
     assert all(set(phases) <= s.keys() for s in record["series"])  # where each step's wall time went
     assert all(sum(s[p] for p in phases) <= (s["t"] - before["t"]) * 1e3 + 0.1 for before, s in steps)
     assert sum(s["adjust_ms"] + s["observe_ms"] for s in record["series"]) / 1e3 <= record["adjuster_seconds"] + 0.01
+    lines = bench_table.main(["--phases", f"cost={out}"]).splitlines()  # the phases by band of running requests
+    assert lines[2].startswith("| cost | 0-7 |") and all(line.count("|") == lines[0].count("|") for line in lines)
+    assert sum(int(line.split("|")[3].replace(",", "")) for line in lines[2:]) == len(record["series"]) - 1
     paths = plot_bench.main([str(tmp_path / "plots"), f"cost={out}"])
     assert any(p.endswith("cost-rule-0-cost.png") for p in paths)
 
