@@ -15,11 +15,22 @@ def check_allocator(a: PageAllocator) -> None:
     _check_splits(a, owner_of, intervals)
     intervals += [_interval(a, k, p, "used") for k, pages in owner_of.items() for p in pages]
     _check_no_overlap(intervals)
+    _check_split_counts(a)
     stats = a.stats()
     total = stats["free_bytes"] + stats["used_bytes"] + stats["trapped_bytes"] + stats["padding_bytes"]
     assert total == a.pool_bytes, f"free + used + trapped + padding = {total} != pool {a.pool_bytes}"
     covered = sum(end - start for start, end, _ in intervals)
     assert covered == total - stats["padding_bytes"], "pages do not cover the non-padding bytes of the pool"
+
+
+def _check_split_counts(a: PageAllocator) -> None:
+    """The split parents counted by their children's kind (what `stats` reads the padding from) match the trees."""
+    recount = dict.fromkeys(MIDDLE_KINDS + SMALL_KINDS, 0)
+    for kind, _ in a._huge_split.values():
+        recount[kind] += 1
+    for split in a._splits.values():
+        recount[split.kind] += 1
+    assert a._num_split == recount, f"split parents counted {a._num_split}, found {recount}"
 
 
 def _interval(a: PageAllocator, kind: str, page_id: int, what: str) -> tuple[int, int, str]:
