@@ -3,7 +3,8 @@
 The round: 90 running requests each add a token; a request crossing a 16-token page boundary takes one KV page for
 each of the 24 attention layers (Qwen1.5-MoE-A2.7B sizes: 44 KV pages an expert page); finished requests free all
 their pages and new requests are admitted with their whole prompt; every fifth round one expert is evicted and
-another added (the adjuster's traffic). Prints JSON: median, mean and p99 microseconds per round.
+another added (the adjuster's traffic). Prints JSON: median, mean and p99 microseconds per round, and one
+`stats()` call's microseconds at the end (metrics and `rimuru bench` read it every step).
 
     python tools/bench_allocator.py [--rounds 20000] [--seed 0]
 """
@@ -86,12 +87,16 @@ def main() -> None:
         times.append((time.perf_counter_ns() - start) / 1000)
     emulator.allocator.check_integrity()
     times.sort()
-    stats = emulator.allocator.stats()
+    start = time.perf_counter_ns()
+    for _ in range(1000):
+        stats = emulator.allocator.stats()
+    stats_us = (time.perf_counter_ns() - start) / 1000 / 1000
     print(json.dumps({
         "rounds": args.rounds,
         "median_us": round(statistics.median(times), 1),
         "mean_us": round(statistics.fmean(times), 1),
         "p99_us": round(times[int(0.99 * len(times))], 1),
+        "stats_us": round(stats_us, 1),
         "requests_admitted": emulator.next_request,
         "kv_used_pages": stats["kv_used_pages"],
         "kv_trapped_pages": stats["kv_trapped_pages"],
