@@ -247,11 +247,12 @@ class Engine:
         try:
             return self._run(batch)
         finally:
-            forward = clock.lap("forward")  # the pass and sampling, which waits for the GPU
+            # the copies issued, the pass and sampling (which waits for the GPU), then the deferred expert changes
+            step_seconds = clock.lap("forward")
             self.expert_manager.end_step()
-            forward += clock.lap("expert_changes")
+            step_seconds += clock.lap("expert_changes")
             if isinstance(self.adjuster, CostAdjuster):  # the step's wall time: forward, sampling, expert copies
-                self.adjuster.observe(forward, batch.num_tokens, self.scheduler.waiting,
+                self.adjuster.observe(step_seconds, batch.num_tokens, self.scheduler.waiting,
                                       len(self.scheduler.running), self.allocator.num_used_pages(KV))
                 self.adjuster_seconds += clock.lap("observe")
             self.step_phases = clock.phases

@@ -82,6 +82,8 @@ def phase_table(specs: list[str]) -> str:
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
     for label, record in _load(specs):
         series = record["series"]
+        if not any("forward_ms" in s for s in series):
+            raise SystemExit(f"{label}: the record has no step phases (written before fc8bf78)")
         for low, high in zip(BANDS, BANDS[1:] + (None,)):
             steps = [(prev, s) for prev, s in zip(series, series[1:]) if low <= s["running"] < (high or 1 << 30)]
             if not steps:

@@ -6,6 +6,8 @@ import random
 import sys
 from pathlib import Path
 
+import pytest
+
 from rimuru.benchmark import SERIES_ESTIMATES, source_commit
 from rimuru.serving.cli import main
 from tests.engine.test_experts import budget_for
@@ -85,6 +87,11 @@ def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
     lines = bench_table.main(["--phases", f"cost={out}"]).splitlines()  # the phases by band of running requests
     assert lines[2].startswith("| cost | 0-7 |") and all(line.count("|") == lines[0].count("|") for line in lines)
     assert sum(int(line.split("|")[3].replace(",", "")) for line in lines[2:]) == len(record["series"]) - 1
+    older = tmp_path / "older.json"  # a record from before the phases: refused, not shown as all "outside"
+    older.write_text(json.dumps(record | {"series": [{k: v for k, v in s.items() if k[:-3] not in bench_table.PHASES}
+                                                     for s in record["series"]]}))  # fmt: skip
+    with pytest.raises(SystemExit, match="no step phases"):
+        bench_table.main(["--phases", f"older={older}"])
     paths = plot_bench.main([str(tmp_path / "plots"), f"cost={out}"])
     assert any(p.endswith("cost-rule-0-cost.png") for p in paths)
 
