@@ -69,7 +69,8 @@ class Engine:
         self.requests: dict[str, Request] = {}
         self.num_steps = 0
         self.peak_running = 0  # most requests running at once so far
-        self.adjuster_seconds = 0.0  # host time in the adjuster's round and the cost rule's `observe`, so far
+        # host time in the adjuster's round and the cost rule's `observe` and refresh (the refresh overlaps the pass)
+        self.adjuster_seconds = 0.0
         self.step_phases: dict[str, float] = {}  # the last step's wall seconds by phase (`_PhaseClock`)
         self.closed = False
 
@@ -268,6 +269,7 @@ class Engine:
         if not batch.requests:
             return []
         logits, rows = self.runner.execute(batch)  # [B', V]
+        self._while_the_pass_runs()
         for request, num_new in zip(batch.requests, batch.num_new_tokens):
             request.num_computed_tokens += num_new
         sampled = [batch.requests[row] for row in rows]
@@ -276,6 +278,14 @@ class Engine:
             self._append(request, token, logprob)
         self.num_steps += 1
         return sampled
+
+    def _while_the_pass_runs(self) -> None:
+        """Host work that needs nothing of the pass just launched, done before the sampler waits for it: on a GPU it
+        costs the step nothing (on the CPU the pass has already run)."""
+        if isinstance(self.adjuster, CostAdjuster):
+            start = time.perf_counter()
+            self.adjuster.refresh_if_due()
+            self.adjuster_seconds += time.perf_counter() - start
 
     def _append(self, request: Request, token: int, logprob: dict[int, float] | None) -> None:
         request.output_token_ids.append(token)

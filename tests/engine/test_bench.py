@@ -213,6 +213,7 @@ def test_the_adjuster_benchmark_times_both_rules_on_a_placement_that_refreshes(c
     assert "3 layers x 8 experts, 6 on the host" in line and "paper rule" in line and "cost rule" in line
     offloaded = {0: {7}, 1: set(), 2: set()}
     adjuster = bench_adjuster.cost_adjuster(bench_adjuster.skewed_ranking(3, 8), offloaded, 4)
-    adjuster.observe(12e-3, 40, [], 32, 30_000)  # the first measured round refreshes
+    adjuster.observe(12e-3, 40, [], 32, 30_000)  # the first measured round asks for a refresh
+    adjuster.refresh_if_due()
     assert adjuster.estimates["cost_measured"] == 1 and adjuster.estimates["cost_next_eviction_ms"] > 0
 

@@ -160,7 +160,8 @@ def test_copies_hide_under_the_compute_and_direct_reads_do_not():
 
 def test_a_refresh_weighs_max_nominees_and_the_next_ones_come_before_they_run_out():
     """200 experts, each free to evict (a huge link): a refresh weighs MAX_NOMINEES of them and allows them all;
-    once evictions have used up half, the next step's `observe` weighs the next ones at once, not 8 rounds later."""
+    once evictions have used up half, the next step's `observe` asks for the next ones at the next pass, not 8 rounds
+    later."""
     num_experts = 200
     popularity = ExpertPopularity(ExpertRanking({0: tuple([1 / num_experts] * num_experts)}), num_experts)
     offloaded = {0: set()}
@@ -173,7 +174,31 @@ def test_a_refresh_weighs_max_nominees_and_the_next_ones_come_before_they_run_ou
     offloaded[0] |= {expert for _, expert in evicted}  # what `end_step` does
     assert adjuster.reclaimable_experts(offloaded) == MAX_NOMINEES // 2 - 1
     adjuster.observe(1e-2, 1, running=10, kv_pages=30)
-    assert adjuster.reclaimable_experts(offloaded) == MAX_NOMINEES and adjuster._unflushed == 1  # no flush
+    assert adjuster.refresh_due and adjuster._unflushed == 1  # no flush
+    adjuster.refresh_if_due()  # during the next pass
+    assert adjuster.reclaimable_experts(offloaded) == MAX_NOMINEES
+
+
+def test_a_refresh_during_the_pass_counts_the_rounds_evictions_as_gone():
+    """A refresh while the pass runs (`refresh_if_due`) comes before `end_step` evicts what the round chose: it
+    must weigh the next experts, not nominate those again. Ranking 0.4/0.3/0.2/0.1, cap 2, a free link: expert 3
+    leaves this round, so the refresh weighs expert 2 alone (1 affordable, its share 0.2), as a refresh after
+    `end_step` does."""
+    popularity = ExpertPopularity(ExpertRanking({0: (0.4, 0.3, 0.2, 0.1)}), 4)
+    offloaded = {0: set()}
+    adjuster = CostAdjuster(popularity, 2, fake_store(offloaded), top_k=1, refresh_every=1)
+    adjuster.cost.pin(bandwidth=1e9, compute_s=1.0, tokens_per_step=1.0, running=1.0, kv_pages_per_request=1.0)
+    adjuster.refresh()
+    assert adjuster._affordable == 2 and adjuster.estimates["cost_next_eviction_ms"] == pytest.approx(0.1)
+    assert adjuster.adjust(2, 0, offloaded).evict == [(0, 3)]  # short by 2 pages, a cushion of 1: one expert
+    adjuster.observe(1.0, 1, running=1, kv_pages=1)
+    assert adjuster.refresh_due
+    adjuster.refresh_if_due()  # the store still holds expert 3
+    during_the_pass = (adjuster._affordable, adjuster.estimates["cost_next_eviction_ms"])
+    offloaded[0].add(3)  # what `end_step` does
+    adjuster.refresh()
+    assert during_the_pass == (adjuster._affordable, adjuster.estimates["cost_next_eviction_ms"])
+    assert during_the_pass == (1, pytest.approx(0.2))
 
 
 def test_the_calibration_only_raises_the_predicted_link_time():
@@ -285,6 +310,7 @@ def test_with_direct_reads_the_measured_cost_is_the_reads_counted(family):
     for _ in range(2 * adjuster.refresh_every):
         reads[0] += 3
         adjuster.observe(0.01, 4, running=2, kv_pages=20)
+        adjuster.refresh_if_due()
     expected_ms = 3 * adjuster.expert_bytes / 1e9 * 1e3
     assert adjuster.estimates["cost_measured_copy_ms"] == pytest.approx(expected_ms)
 
