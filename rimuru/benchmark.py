@@ -8,6 +8,7 @@ and a per-step time series of the pool split, the queues and where the step's wa
 "max_tokens"}.
 """
 
+import gzip
 import json
 import os
 import statistics
@@ -39,6 +40,17 @@ def read_stream(path: str, limit: int | None = None) -> list[dict]:
     with open(path) as f:
         requests = [json.loads(line) for line in f if line.strip()]
     return sorted(requests[:limit] if limit else requests, key=lambda r: r["arrival"])
+
+
+def read_records(specs: list[str], label_of=lambda path: path) -> list[tuple[str, dict]]:
+    """`LABEL=RECORD` specs (or bare paths, labelled by `label_of`) -> (label, record), in order. A record may be
+    gzipped (`.json.gz`: docs/benchmarks keeps the long series that way, about 30x smaller)."""
+    records = []
+    for spec in specs:
+        label, _, path = spec.rpartition("=")
+        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
+            records.append((label or label_of(path), json.load(f)))
+    return records
 
 
 class _Clock:

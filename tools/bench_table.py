@@ -1,11 +1,12 @@
 """A markdown table from `rimuru bench` records, one row a record, as `docs/benchmarks/paper-scenario.md` prints them.
 
-    python tools/bench_table.py resident=resident.json elastic=elastic.json ...   (the first record is the baseline)
+    python tools/bench_table.py resident=resident.json elastic=elastic.json.gz ...   (the first is the baseline)
 
 Columns: output tok/s and the ratio to the first record, TTFT mean / median / p99, TPOT median, peak / mean
 running, forward steps, preemptions, evictions / additions (and swaps), bytes copied and host experts read in place
 (each also a step), prefetch hit rate, wall time / routing-hook time / of it the wait for the router / the
-adjuster's host time (its round and the cost rule's `observe`), per step, and the peak reserved GPU memory.
+adjuster's host time (its round, and the cost rule's `observe` and its estimate refresh, which since 5aa07ff
+runs during the pass), per step, and the peak reserved GPU memory.
 
 `--phases` prints instead where the steps' wall time went (records since fc8bf78, `Engine.step_phases`): for each
 record and each band of running requests, the mean ms a step of each phase, "outside" the bench's own work between
@@ -13,7 +14,8 @@ steps, and the experts on the host.
 """
 
 import argparse
-import json
+
+from rimuru.benchmark import read_records
 
 HEADER = ("| policy | output tok/s | vs first | TTFT mean / median / p99 | TPOT median | peak / mean running "
           "| steps | preemptions | evictions / additions | copied, read in place | prefetch hit rate "
@@ -66,7 +68,7 @@ def _g(value) -> str:
 
 
 def table(specs: list[str]) -> str:
-    records = _load(specs)
+    records = read_records(specs)
     baseline = records[0][1]["output_tokens_per_s"]
     lines = [HEADER, "|" + "---|" * HEADER.count(" | ") + "---|"]
     return "\n".join(lines + [row(label, record, baseline) for label, record in records])
@@ -80,7 +82,7 @@ def phase_table(specs: list[str]) -> str:
     """Mean ms a step by phase, per band of running requests, a row a (record, band)."""
     header = "| policy | running | steps | step | " + " | ".join(PHASES) + " | outside | on the host |"
     lines = [header, "|" + "---|" * header.count(" | ") + "---|"]
-    for label, record in _load(specs):
+    for label, record in read_records(specs):
         series = record["series"]
         if not any("forward_ms" in s for s in series):
             raise SystemExit(f"{label}: the record has no step phases (written before fc8bf78)")
@@ -95,15 +97,6 @@ def phase_table(specs: list[str]) -> str:
             cells += [f"{mean[p]:.2f}" for p in PHASES] + [f"{wall - sum(mean.values()):.2f}", f"{host:.0f}"]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
-
-
-def _load(specs: list[str]) -> list[tuple[str, dict]]:
-    records = []
-    for spec in specs:
-        label, _, path = spec.rpartition("=")
-        with open(path) as f:
-            records.append((label or path, json.load(f)))
-    return records
 
 
 def main(argv: list[str] | None = None) -> str:

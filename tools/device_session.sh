@@ -139,11 +139,12 @@ sweep() {
   tar -czf "$dir.tar.gz" -C "$OUT" "$name" && rm -r "$dir"
 }
 
-# run_spec NAME: a policy's bench flags from its name: resident, fixedN, elasticN, costN, elastic and cost (the
-# default offload limit), each with any of the suffixes -copy (host experts copied in: the routing hook and the
-# prefetch; the default since ff88579 is direct reads), -direct (the kernels read host experts in place, as a plain
-# name does now; records before ff88579 copied), -mixed (steps with prefill replay CUDA graphs too) and -sloS (the
-# cost rule evicts despite the cost once a request has waited S seconds: --ttft-slo S), e.g. elastic-copy-mixed, cost-slo2
+# run_spec NAME: a policy's bench flags from its name: resident, fixedN, elasticN (the paper rule: --adjuster paper
+# since the cost rule became the default), costN, elastic and cost (the default offload limit), each with any of the
+# suffixes -copy (host experts copied in: the routing hook and the prefetch; the default since ff88579 is direct
+# reads), -direct (the kernels read host experts in place, as a plain name does now; records before ff88579 copied),
+# -mixed (steps with prefill replay CUDA graphs too) and -sloS (the cost rule evicts despite the cost once a request
+# has waited S seconds: --ttft-slo S), e.g. elastic-copy-mixed, cost-slo2
 run_spec() {
   local name=$1 base=$1 extra="" flags
   while true; do
@@ -158,8 +159,8 @@ run_spec() {
   case $base in
     resident) flags="--expert-policy resident" ;;
     fixed*) flags="--expert-policy fixed --offload-per-layer ${base#fixed}" ;;
-    elastic) flags="--expert-policy elastic" ;;
-    elastic*) flags="--expert-policy elastic --expert-offload-limit ${base#elastic}" ;;
+    elastic) flags="--expert-policy elastic --adjuster paper" ;;
+    elastic*) flags="--expert-policy elastic --adjuster paper --expert-offload-limit ${base#elastic}" ;;
     cost) flags="--expert-policy elastic --adjuster cost" ;;
     cost*) flags="--expert-policy elastic --adjuster cost --expert-offload-limit ${base#cost}" ;;
     *) echo "unknown policy $name" >&2; return 1 ;;

@@ -6,7 +6,6 @@ throughput / TTFT against request rate, one line per label.
 """
 
 import argparse
-import json
 import os
 from collections import defaultdict
 
@@ -15,14 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-
-def load(specs: list[str]) -> list[tuple[str, dict]]:
-    records = []
-    for spec in specs:
-        label, _, path = spec.rpartition("=")
-        with open(path) as f:
-            records.append((label or os.path.basename(path), json.load(f)))
-    return records
+from rimuru.benchmark import read_records  # noqa: E402
 
 
 def plot_concurrency(records, out_dir: str) -> str:
@@ -156,7 +148,7 @@ def main(argv: list[str] | None = None) -> list[str]:
     parser.add_argument("records", nargs="+", help="LABEL=record.json")
     args = parser.parse_args(argv)
     os.makedirs(args.out_dir, exist_ok=True)
-    records = load(args.records)
+    records = read_records(args.records, label_of=os.path.basename)
     paths = [plot_concurrency(records, args.out_dir), *plot_pool_split(records, args.out_dir)]
     paths += [plot_hit_rate(records, args.out_dir), plot_host_touches(records, args.out_dir)]
     paths += plot_cost_rule(records, args.out_dir)
