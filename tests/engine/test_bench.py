@@ -1,6 +1,7 @@
 """`rimuru bench` on the CPU with the tiny model and a budget that forces evictions, and the plots from its records,
 so the benchmark behind the published figures cannot rot."""
 
+import gzip
 import json
 import random
 import sys
@@ -87,6 +88,9 @@ def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
     assert all(sum(s[p] for p in phases) <= (s["t"] - before["t"]) * 1e3 + 0.1 for before, s in steps)
     assert sum(s["adjust_ms"] + s["observe_ms"] for s in record["series"]) / 1e3 <= record["adjuster_seconds"] + 0.01
     lines = bench_table.main(["--phases", f"cost={out}"]).splitlines()  # the phases by band of running requests
+    gzipped = tmp_path / "cost.json.gz"  # how docs/benchmarks keeps long records
+    gzipped.write_bytes(gzip.compress(out.read_bytes()))
+    assert bench_table.main(["--phases", f"cost={gzipped}"]).splitlines() == lines
     assert lines[2].startswith("| cost | 0-7 |") and all(line.count("|") == lines[0].count("|") for line in lines)
     assert sum(int(line.split("|")[3].replace(",", "")) for line in lines[2:]) == len(record["series"]) - 1
     older = tmp_path / "older.json"  # a record from before the phases: refused, not shown as all "outside"
