@@ -49,6 +49,7 @@ class ModelRunner:
         inputs = self.prepare(batch)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
+            self.kv_cache.sync_device()  # the graphs gather the batch's page tables on the device
             # the graphs read working_tables and count the pass's routing themselves
             _, hook = self.experts.pass_routing(fixed_tables=True, counted=self.graphs.count_pass is not None)
             self.num_graph_steps += 1

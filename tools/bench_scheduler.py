@@ -1,0 +1,88 @@
+"""Time one decode-heavy scheduling round of the `Scheduler` on this host, with the page tables' device copy.
+
+The round: `--running` requests (default 140, the paper scenario's peak) each decode a token; one crossing a 16-token
+page boundary takes a KV page in each of the 24 attention layers (Qwen1.5-MoE-A2.7B sizes); a request finishing
+frees its pages and a new one (16-400 prompt tokens, 100-400 output) takes its place. Each round is
+`Scheduler.schedule()` then `KVCacheManager.sync_device()`, what `Engine.step` and the runner do before a pass,
+with the page tables' device copy on `--device` (default: the GPU when there is one, as the engine keeps it under
+CUDA graphs; on the CPU it is a test-only path, each copy a memcpy). Prints JSON: median, mean and p99 microseconds
+a round.
+
+    python tools/bench_scheduler.py [--running 140] [--rounds 3000] [--seed 0] [--device cuda]
+"""
+
+import argparse
+import json
+import platform
+import random
+import statistics
+import time
+
+import torch
+
+from rimuru.kv_cache import KVCacheManager
+from rimuru.memory import PageAllocator, page_sizes
+from rimuru.request import Request
+from rimuru.sampling_params import SamplingParams
+from rimuru.scheduler import Scheduler, SchedulerConfig
+
+LAYERS, PAGE_TOKENS, MAX_SEQS = 24, 16, 256
+SIZES = page_sizes((1408 * 2048,), (2, PAGE_TOKENS, 16, 128), torch.bfloat16)  # Qwen1.5-MoE-A2.7B
+
+
+class Emulator:
+    def __init__(self, running: int, seed: int, device: torch.device):
+        self.rng = random.Random(seed)
+        allocator = PageAllocator(SIZES, 3000 * SIZES.expert_page_bytes)
+        for owner in [(layer, e) for layer in range(LAYERS) for e in range(16)]:  # 1,152 expert pages resident
+            allocator.allocate_expert(owner)
+        self.kv_cache = KVCacheManager(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, 4096, device_copy=device)
+        self.scheduler = Scheduler(SchedulerConfig(MAX_SEQS, 2048), self.kv_cache)
+        self.next_id = 0
+        for _ in range(running):
+            self.admit()
+
+    def admit(self) -> None:
+        prompt, output = self.rng.randint(16, 400), self.rng.randint(100, 400)
+        self.scheduler.add(Request(str(self.next_id), [1] * prompt, SamplingParams(), max_tokens=output))
+        self.next_id += 1
+
+    def round(self) -> float:
+        start = time.perf_counter()
+        batch = self.scheduler.schedule()
+        getattr(self.kv_cache, "sync_device", lambda: None)()  # (before it: a copy each page allocation)
+        if self.kv_cache.device_tables.is_cuda:
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - start
+        for request, num_new in zip(batch.requests, batch.num_new_tokens):  # what the pass and the sampler do
+            request.num_computed_tokens += num_new
+            if request.num_computed_tokens == request.num_tokens:
+                request.output_token_ids.append(1)
+                if len(request.output_token_ids) >= request.max_tokens:
+                    self.scheduler.finish(request, "length")
+                    self.admit()
+        return seconds
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--running", type=int, default=140)
+    parser.add_argument("--rounds", type=int, default=3000)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    args = parser.parse_args()
+    emulator = Emulator(args.running, args.seed, torch.device(args.device))
+    for _ in range(400):  # the prompts' prefill rounds, then decodes in steady state
+        emulator.round()
+    rounds = sorted(emulator.round() * 1e6 for _ in range(args.rounds))
+    print(json.dumps({
+        "running": len(emulator.scheduler.running),
+        "round_us_median": round(statistics.median(rounds), 1),
+        "round_us_mean": round(statistics.mean(rounds), 1),
+        "round_us_p99": round(rounds[int(0.99 * (len(rounds) - 1))], 1),
+        "device": args.device, "cpu": platform.processor() or platform.machine(),
+    }))  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
