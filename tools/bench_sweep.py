@@ -4,7 +4,8 @@ longer to load than some runs take to finish).
     python tools/bench_sweep.py MODEL --out-dir OUT --common "--stream s.jsonl --rate 10 --load-format dummy" \\
         --run resident="--expert-policy resident" --run fixed8="--expert-policy fixed --offload-per-layer 8"
 
-Each run is `rimuru bench MODEL <common> <its flags> --out OUT/<name>.json`, with its output in OUT/<name>.log.
+Each run is `rimuru bench MODEL <common> <its flags> --out OUT/<name>.json`, with its output in OUT/<name>.log and
+its wall-clock span in OUT/runs.txt.
 `--repeat N` runs the whole list N times in turn (A B A B, so a drift of the machine hits every policy alike),
 repeats named <name>-2, <name>-3, ..., and ends with each policy's output tokens/s and their spread.
 `--profile "<flags>"` first writes the ranking (`--ranking`, default MODEL/expert_ranking.json) with
@@ -31,10 +32,13 @@ def run(name: str, argv: list[str], out_dir: str) -> int:
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
+    start, began = time.perf_counter(), time.strftime("%H:%M:%S")
     with open(os.path.join(out_dir, f"{name}.log"), "w") as log, contextlib.redirect_stdout(log):
         code = rimuru_main(argv)
-    print(f"{name}: exit {code} in {time.perf_counter() - start:.0f} s", flush=True)
+    line = f"{name}: exit {code} in {time.perf_counter() - start:.0f} s, {began}-{time.strftime('%H:%M:%S')}"
+    print(line, flush=True)
+    with open(os.path.join(out_dir, "runs.txt"), "a") as runs:  # the wall-clock span of each run, in order
+        runs.write(line + "\n")
     return code
 
 

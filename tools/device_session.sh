@@ -131,11 +131,19 @@ serve() {
 # the throughput lines, and every record and log in $OUT/NAME.tar.gz (8 files at most come back)
 sweep() {
   local name=$1 stream=$2 ranking=$3 skew=$4; shift 4
-  local dir="$OUT/$name" runs=()
+  local dir="$OUT/$name" runs=() clocks=""
   for run in "$@"; do runs+=(--run "$run"); done
+  mkdir -p "$dir"
+  if command -v nvidia-smi > /dev/null; then  # clocks, power and temperature every 0.5 s: does the first run in a
+    # process run faster because the GPU is cool (the later runs throttled), or because it is first?
+    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+      --format=csv -lms 500 > "$dir/gpu-clocks.csv" 2>&1 &
+    clocks=$!
+  fi
   python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$ranking" --repeat "${REPEAT:-1}" \
     --common "--stream $stream --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]} ${BENCH_FLAGS:-}" \
     --profile "${DUMMY[*]} $skew --workload $stream --num-prompts 64 --max-tokens 8 --expert-policy resident" "${runs[@]}"
+  [ -n "$clocks" ] && kill "$clocks"
   cp "$ranking" "$dir/" 2>/dev/null
   for log in "$dir"/*.log; do echo "$(basename "$log") $(grep -m1 -h output_tokens_per_s "$log")"; done
   tar -czf "$dir.tar.gz" -C "$OUT" "$name" && rm -r "$dir"

@@ -137,6 +137,8 @@ def test_sweep_repeats_the_list_in_turn_and_reports_the_spread(family, tmp_path,
     assert records == ["fixed-2.json", "fixed.json", "resident-2.json", "resident.json"]
     order = [line.split(":")[0] for line in printed.splitlines() if "exit 0" in line]
     assert order == ["resident", "fixed", "resident-2", "fixed-2"]
+    spans = (out / "runs.txt").read_text().splitlines()  # each run's wall-clock span, to line up with GPU clocks
+    assert [line.split(":")[0] for line in spans] == order and all(line.count(":") == 5 for line in spans)
     values = [json.loads((out / f"resident{s}.json").read_text())["output_tokens_per_s"] for s in ("", "-2")]
     assert f"resident: {values[0]:.1f} {values[1]:.1f} tok/s, spread {bench_sweep.spread(values):.1%}" in printed
     assert bench_sweep.spread([90.0, 110.0]) == 0.2
