@@ -143,7 +143,7 @@ sweep() {
   python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$ranking" --repeat "${REPEAT:-1}" \
     --common "--stream $stream --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]} ${BENCH_FLAGS:-}" \
     --profile "${DUMMY[*]} $skew --workload $stream --num-prompts 64 --max-tokens 8 --expert-policy resident" "${runs[@]}"
-  [ -n "$clocks" ] && kill "$clocks"
+  [ -n "$clocks" ] && kill "$clocks" 2> /dev/null
   cp "$ranking" "$dir/" 2>/dev/null
   for log in "$dir"/*.log; do echo "$(basename "$log") $(grep -m1 -h output_tokens_per_s "$log")"; done
   tar -czf "$dir.tar.gz" -C "$OUT" "$name" && rm -r "$dir"
