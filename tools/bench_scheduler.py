@@ -5,7 +5,7 @@ page boundary takes a KV page in each of the 24 attention layers (Qwen1.5-MoE-A2
 frees its pages and a new one (16-400 prompt tokens, 100-400 output) takes its place. Each round is
 `Scheduler.schedule()` then `KVCacheManager.sync_device()`, what `Engine.step` and the runner do before a pass,
 with the page tables' device copy on `--device` (default: the GPU when there is one, as the engine keeps it under
-CUDA graphs; on the CPU it is a test-only path, each copy a memcpy). Prints JSON: median, mean and p99 microseconds
+CUDA graphs; on the CPU it is a test-only path, each copy a memcpy; `none`: no copy). Prints JSON: median, mean and p99 microseconds
 a round.
 
     python tools/bench_scheduler.py [--running 140] [--rounds 3000] [--seed 0] [--device cuda]
@@ -31,12 +31,12 @@ SIZES = page_sizes((1408 * 2048,), (2, PAGE_TOKENS, 16, 128), torch.bfloat16)  #
 
 
 class Emulator:
-    def __init__(self, running: int, seed: int, device: torch.device):
+    def __init__(self, running: int, seed: int, device: torch.device | None):
         self.rng = random.Random(seed)
         allocator = PageAllocator(SIZES, 3000 * SIZES.expert_page_bytes)
         for owner in [(layer, e) for layer in range(LAYERS) for e in range(16)]:  # 1,152 expert pages resident
             allocator.allocate_expert(owner)
-        self.kv_cache = KVCacheManager(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, 4096, device_copy=device)
+        self.kv_cache = KVCacheManager(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, 4096, device_copy=device)  # None: none
         self.scheduler = Scheduler(SchedulerConfig(MAX_SEQS, 2048), self.kv_cache)
         self.next_id = 0
         for _ in range(running):
@@ -51,7 +51,7 @@ class Emulator:
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         getattr(self.kv_cache, "sync_device", lambda: None)()  # (before it: a copy each page allocation)
-        if self.kv_cache.device_tables.is_cuda:
+        if self.kv_cache.device_tables is not None and self.kv_cache.device_tables.is_cuda:
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start
         for request, num_new in zip(batch.requests, batch.num_new_tokens):  # what the pass and the sampler do
@@ -69,9 +69,10 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=140)
     parser.add_argument("--rounds", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
+                        help="where the tables' copy lives; none: no copy (the scheduler's own Python alone)")
     args = parser.parse_args()
-    emulator = Emulator(args.running, args.seed, torch.device(args.device))
+    emulator = Emulator(args.running, args.seed, None if args.device == "none" else torch.device(args.device))
     for _ in range(400):  # the prompts' prefill rounds, then decodes in steady state
         emulator.round()
     rounds = sorted(emulator.round() * 1e6 for _ in range(args.rounds))
