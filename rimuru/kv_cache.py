@@ -12,6 +12,7 @@ date by `sync_device` before each pass: the slots changed since are copied in on
 allocation (a round of 140 decodes crosses about 9 page boundaries).
 """
 
+import numpy as np
 import torch
 
 from rimuru.memory import KV, PageAllocator
@@ -24,6 +25,9 @@ class KVCacheManager:
         self.num_layers, self.page_tokens = num_layers, page_tokens
         self.max_pages = -(-max_model_len // page_tokens)
         self.tables = torch.full((num_layers, max_slots, self.max_pages), -1, dtype=torch.int32)  # [L, slots, P]
+        # the same memory as a numpy array: the host writes a few entries a step, where numpy's indexing costs a
+        # microsecond or two and torch's five to ten (a round of 140 decodes writes about 9 requests' pages)
+        self._tables_np = self.tables.numpy()
         # the same tables on the device, kept equal page by page, for CUDA graphs that gather them there; None: none
         self.device_tables = None if device_copy is None else self.tables.to(device_copy, copy=True)
         self._stale_slots: set[int] = set()  # slots whose device rows lag the host's (`sync_device`)
@@ -33,6 +37,10 @@ class KVCacheManager:
 
     def slot(self, request_id: str) -> int:
         return self._slot[request_id]
+
+    def holds(self, request_id: str, num_tokens: int) -> bool:
+        """Whether the request's pages already hold `num_tokens` tokens (a decode step, mostly): no allocation."""
+        return num_tokens <= self._num_pages.get(request_id, 0) * self.page_tokens
 
     def num_new_pages(self, request_id: str, num_tokens: int) -> int:
         """Pages (all layers together) a request must add to hold `num_tokens` tokens. Does not mutate."""
@@ -54,8 +62,8 @@ class KVCacheManager:
             slot = self._slot[request_id] = self._free_slots.pop()
         have = self._num_pages.get(request_id, 0)
         per_layer = num_new // self.num_layers
-        block = torch.tensor(page_ids, dtype=torch.int32).view(per_layer, self.num_layers)  # [new, L]
-        self.tables[:, slot, have : have + per_layer] = block.T
+        block = np.asarray(page_ids, dtype=np.int32).reshape(per_layer, self.num_layers)  # [new, L]
+        self._tables_np[:, slot, have : have + per_layer] = block.T
         self._mark_stale(slot)
         self._num_pages[request_id] = have + per_layer
         return True
@@ -67,7 +75,7 @@ class KVCacheManager:
             return
         self.allocator.free(request_id)
         num_pages = self._num_pages.pop(request_id)
-        self.tables[:, slot, :num_pages] = -1
+        self._tables_np[:, slot, :num_pages] = -1
         self._mark_stale(slot)
         self._free_slots.append(slot)
 

@@ -8,10 +8,13 @@ with the page tables' device copy on `--device` (default: the GPU when there is 
 CUDA graphs; on the CPU it is a test-only path, each copy a memcpy; `none`: no copy). Prints JSON: median, mean and p99 microseconds
 a round.
 
-    python tools/bench_scheduler.py [--running 140] [--rounds 3000] [--seed 0] [--device cuda]
+    python tools/bench_scheduler.py [--running 140] [--rounds 3000] [--seed 0] [--device cuda|cpu|none]
+    git show 026cd3f:rimuru/kv_cache.py > /tmp/kv_old.py
+    python tools/bench_scheduler.py --device none --against /tmp/kv_old.py   # rounds of both, alternated
 """
 
 import argparse
+import importlib.util
 import json
 import platform
 import random
@@ -31,12 +34,14 @@ SIZES = page_sizes((1408 * 2048,), (2, PAGE_TOKENS, 16, 128), torch.bfloat16)  #
 
 
 class Emulator:
-    def __init__(self, running: int, seed: int, device: torch.device | None):
+    def __init__(self, running: int, seed: int, device: torch.device | None, kv_cache_class=KVCacheManager):
         self.rng = random.Random(seed)
         allocator = PageAllocator(SIZES, 3000 * SIZES.expert_page_bytes)
         for owner in [(layer, e) for layer in range(LAYERS) for e in range(16)]:  # 1,152 expert pages resident
             allocator.allocate_expert(owner)
-        self.kv_cache = KVCacheManager(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, 4096, device_copy=device)  # None: none
+        self.kv_cache = kv_cache_class(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, 4096, device_copy=device)  # None: none
+        if not hasattr(self.kv_cache, "holds"):  # a manager from before 761eb21: every round asks `allocate`
+            self.kv_cache.holds = lambda request_id, num_tokens: False
         self.scheduler = Scheduler(SchedulerConfig(MAX_SEQS, 2048), self.kv_cache)
         self.next_id = 0
         for _ in range(running):
@@ -64,6 +69,20 @@ class Emulator:
         return seconds
 
 
+def older_manager(path: str):
+    """The `KVCacheManager` class of another version of rimuru/kv_cache.py (`git show REV:rimuru/kv_cache.py`)."""
+    spec = importlib.util.spec_from_file_location("kv_cache_against", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.KVCacheManager
+
+
+def summary(rounds: list[float]) -> dict:
+    rounds = sorted(r * 1e6 for r in rounds)
+    return {"round_us_median": round(statistics.median(rounds), 1), "round_us_mean": round(statistics.mean(rounds), 1),
+            "round_us_p99": round(rounds[int(0.99 * (len(rounds) - 1))], 1)}  # fmt: skip
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--running", type=int, default=140)
@@ -71,18 +90,25 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the tables' copy lives; none: no copy (the scheduler's own Python alone)")
+    parser.add_argument("--against", default=None, metavar="KV_CACHE_PY",
+                        help="another version of rimuru/kv_cache.py, its rounds alternated with these in one process")
     args = parser.parse_args()
-    emulator = Emulator(args.running, args.seed, None if args.device == "none" else torch.device(args.device))
+    device = None if args.device == "none" else torch.device(args.device)
+    emulators = {"this": Emulator(args.running, args.seed, device)}
+    if args.against:
+        emulators["against"] = Emulator(args.running, args.seed, device, older_manager(args.against))
     for _ in range(400):  # the prompts' prefill rounds, then decodes in steady state
-        emulator.round()
-    rounds = sorted(emulator.round() * 1e6 for _ in range(args.rounds))
-    print(json.dumps({
-        "running": len(emulator.scheduler.running),
-        "round_us_median": round(statistics.median(rounds), 1),
-        "round_us_mean": round(statistics.mean(rounds), 1),
-        "round_us_p99": round(rounds[int(0.99 * (len(rounds) - 1))], 1),
-        "device": args.device, "cpu": platform.processor() or platform.machine(),
-    }))  # fmt: skip
+        for emulator in emulators.values():
+            emulator.round()
+    rounds = {name: [] for name in emulators}
+    for _ in range(args.rounds):  # alternated: the machine's drift hits both alike
+        for name, emulator in emulators.items():
+            rounds[name].append(emulator.round())
+    result = {"running": len(emulators["this"].scheduler.running), **summary(rounds["this"])}
+    if args.against:
+        result["against"] = summary(rounds["against"])
+        result["ratio_of_medians"] = round(result["round_us_median"] / result["against"]["round_us_median"], 3)
+    print(json.dumps(result | {"device": args.device, "cpu": platform.processor() or platform.machine()}))
 
 
 if __name__ == "__main__":

@@ -41,7 +41,7 @@
 #             decode (tools/measure_memory.py), resident and elastic at $BUDGET; $OUT/memory-<policy>.json (~2 min)
 #   hook      the routing hook's host time and operations a layer (tools/bench_hook.py): $MODEL fixed-8 at $BUDGET, ~1 min
 #   scheduler a scheduling round of 140 decodes, the page tables' device copy synced once (and, given
-#             .bench/kv_cache_before.py, copied at each allocation as before 026cd3f), ~30 s
+#             .bench/kv_cache_before.py, alternated with the copies at each allocation before 026cd3f), ~30 s
 #   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz.part-*: copy the parts to .bench/ here (and
 #             remove an older triton-cache.tar.gz; tools/device_env.sh unpacks them on the device), so later calls
 #             skip the compiles
@@ -252,14 +252,11 @@ hostphases() {  # the host time of each part of a decode step, paper rule agains
   done
 }
 
-scheduler() {  # a scheduling round of 140 decodes with the page tables on the GPU (tools/bench_scheduler.py); with
-  # .bench/kv_cache_before.py (`git show b2a86f2:rimuru/kv_cache.py`: a copy at each page allocation) that one too
-  python tools/bench_scheduler.py --device cuda | tee "$OUT/scheduler.json"
-  if [ -f .bench/kv_cache_before.py ]; then
-    cp .bench/kv_cache_before.py /tmp/pkg/rimuru/kv_cache.py
-    python tools/bench_scheduler.py --device cuda | tee "$OUT/scheduler-before.json"
-    cp rimuru/kv_cache.py /tmp/pkg/rimuru/kv_cache.py
-  fi
+scheduler() {  # a scheduling round of 140 decodes with the page tables on the GPU (tools/bench_scheduler.py), and
+  # given .bench/kv_cache_before.py (`git show b2a86f2:rimuru/kv_cache.py`: a copy at each page allocation) its
+  # rounds alternated with that version's in the same process
+  local against=(); [ -f .bench/kv_cache_before.py ] && against=(--against .bench/kv_cache_before.py)
+  python tools/bench_scheduler.py --device cuda "${against[@]}" | tee "$OUT/scheduler.json"
 }
 
 cache() {  # last in a call: Triton's compiled kernels, to carry in .bench next time (tools/device_env.sh unpacks them)

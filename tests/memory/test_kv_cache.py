@@ -16,6 +16,7 @@ def test_pages_are_dealt_out_layer_by_layer():
     slot = kv.slot("r")
     assert kv.tables[0, slot, :3].tolist() == [0, 2, 4] and kv.tables[1, slot, :3].tolist() == [1, 3, 5]
     assert kv.tables[:, slot, 3].tolist() == [-1, -1]
+    assert kv.holds("r", 6) and not kv.holds("r", 7) and not kv.holds("other", 1)  # 3 pages of 2 tokens
 
 
 def test_the_device_copy_lags_until_a_sync_then_equals_the_host_tables():
@@ -41,8 +42,8 @@ def test_the_device_copy_lags_until_a_sync_then_equals_the_host_tables():
 
 
 def test_the_scheduler_benchmark_runs_rounds_and_keeps_the_copy_equal(capsys, monkeypatch):
-    """`tools/bench_scheduler.py` on the CPU: its rounds schedule every running request, and the device copy it
-    syncs each round ends equal to the host tables."""
+    """`tools/bench_scheduler.py` on the CPU (against a second copy of this version): its rounds schedule every
+    running request, and the device copy it syncs each round ends equal to the host tables."""
     import json
     import sys
     from pathlib import Path
@@ -50,10 +51,13 @@ def test_the_scheduler_benchmark_runs_rounds_and_keeps_the_copy_equal(capsys, mo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import bench_scheduler
 
-    monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--running", "8", "--rounds", "20", "--device", "cpu"])
+    this_version = Path(__file__).resolve().parents[2] / "rimuru" / "kv_cache.py"
+    monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--running", "8", "--rounds", "20", "--device", "cpu",
+                                      "--against", str(this_version)])  # fmt: skip
     bench_scheduler.main()
     result = json.loads(capsys.readouterr().out)
     assert result["running"] == 8 and 0 < result["round_us_median"] <= result["round_us_p99"]
+    assert 0 < result["against"]["round_us_median"] and result["ratio_of_medians"] > 0
     emulator = bench_scheduler.Emulator(8, 0, torch.device("cpu"))
     for _ in range(50):
         emulator.round()
