@@ -2,15 +2,17 @@
 
 The round: `--running` requests (default 140, the paper scenario's peak) each decode a token; one crossing a 16-token
 page boundary takes a KV page in each of the 24 attention layers (Qwen1.5-MoE-A2.7B sizes); a request finishing
-frees its pages and a new one (16-400 prompt tokens, 100-400 output) takes its place. Each round is
-`Scheduler.schedule()` then `KVCacheManager.sync_device()`, what `Engine.step` and the runner do before a pass,
-with the page tables' device copy on `--device` (default: the GPU when there is one, as the engine keeps it under
-CUDA graphs; on the CPU it is a test-only path, each copy a memcpy; `none`: no copy). Prints JSON: median, mean and p99 microseconds
-a round.
+frees its pages and a new one (16-400 prompt tokens, 100-400 output) takes its place. A round is
+`Scheduler.schedule()` then `KVCacheManager.sync_device()` (`round_us`), then the pass's inputs made from the
+batch (`model_runner.step_inputs`, `prepare_us`): the host's work before a pass. The page tables' device copy lives
+on `--device` (default: the GPU when there is one, as the engine keeps it under CUDA graphs; on the CPU a test-only
+path, each copy a memcpy; `none`: no copy). `--against` alternates the rounds with older versions of
+rimuru/kv_cache.py (and rimuru/model_runner.py) in the same process. Prints JSON: medians, mean and p99 in us.
 
     python tools/bench_scheduler.py [--running 140] [--rounds 3000] [--seed 0] [--device cuda|cpu|none]
     git show 026cd3f:rimuru/kv_cache.py > /tmp/kv_old.py
-    python tools/bench_scheduler.py --device none --against /tmp/kv_old.py   # rounds of both, alternated
+    git show 0d983eb:rimuru/model_runner.py > /tmp/runner_old.py
+    python tools/bench_scheduler.py --device none --against /tmp/kv_old.py --against-runner /tmp/runner_old.py
 """
 
 import argparse
@@ -25,6 +27,7 @@ import torch
 
 from rimuru.kv_cache import KVCacheManager
 from rimuru.memory import PageAllocator, page_sizes
+from rimuru.model_runner import step_inputs
 from rimuru.request import Request
 from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
@@ -34,7 +37,8 @@ SIZES = page_sizes((1408 * 2048,), (2, PAGE_TOKENS, 16, 128), torch.bfloat16)  #
 
 
 class Emulator:
-    def __init__(self, running: int, seed: int, device: torch.device | None, kv_cache_class=KVCacheManager):
+    def __init__(self, running: int, seed: int, device: torch.device | None, kv_cache_class=KVCacheManager,
+                 runner_class=None):  # fmt: skip
         self.rng = random.Random(seed)
         allocator = PageAllocator(SIZES, 3000 * SIZES.expert_page_bytes)
         for owner in [(layer, e) for layer in range(LAYERS) for e in range(16)]:  # 1,152 expert pages resident
@@ -43,6 +47,10 @@ class Emulator:
         if not hasattr(self.kv_cache, "holds"):  # a manager from before 761eb21: every round asks `allocate`
             self.kv_cache.holds = lambda request_id, num_tokens: False
         self.scheduler = Scheduler(SchedulerConfig(MAX_SEQS, 2048), self.kv_cache)
+        self.prepare = lambda batch: step_inputs(batch, self.kv_cache.slot)
+        if runner_class is not None:  # an older ModelRunner: its `prepare` reads only `kv_cache`
+            runner = runner_class.__new__(runner_class)
+            runner.kv_cache, self.prepare = self.kv_cache, runner.prepare
         self.next_id = 0
         for _ in range(running):
             self.admit()
@@ -52,13 +60,16 @@ class Emulator:
         self.scheduler.add(Request(str(self.next_id), [1] * prompt, SamplingParams(), max_tokens=output))
         self.next_id += 1
 
-    def round(self) -> float:
+    def round(self) -> tuple[float, float]:
+        """(seconds scheduling, seconds making the pass's inputs)."""
         start = time.perf_counter()
         batch = self.scheduler.schedule()
         getattr(self.kv_cache, "sync_device", lambda: None)()  # (before it: a copy each page allocation)
         if self.kv_cache.device_tables is not None and self.kv_cache.device_tables.is_cuda:
             torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
+        scheduled = time.perf_counter()
+        self.prepare(batch)
+        seconds = (scheduled - start, time.perf_counter() - scheduled)
         for request, num_new in zip(batch.requests, batch.num_new_tokens):  # what the pass and the sampler do
             request.num_computed_tokens += num_new
             if request.num_computed_tokens == request.num_tokens:
@@ -69,18 +80,20 @@ class Emulator:
         return seconds
 
 
-def older_manager(path: str):
-    """The `KVCacheManager` class of another version of rimuru/kv_cache.py (`git show REV:rimuru/kv_cache.py`)."""
-    spec = importlib.util.spec_from_file_location("kv_cache_against", path)
+def load_file(path: str, name: str):
+    """A module from another version of one of rimuru's files (`git show REV:rimuru/kv_cache.py > FILE`)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    return module.KVCacheManager
+    return module
 
 
-def summary(rounds: list[float]) -> dict:
-    rounds = sorted(r * 1e6 for r in rounds)
-    return {"round_us_median": round(statistics.median(rounds), 1), "round_us_mean": round(statistics.mean(rounds), 1),
-            "round_us_p99": round(rounds[int(0.99 * (len(rounds) - 1))], 1)}  # fmt: skip
+def summary(rounds: list[tuple[float, float]]) -> dict:
+    schedule = sorted(r[0] * 1e6 for r in rounds)
+    prepare = [r[1] * 1e6 for r in rounds]
+    return {"round_us_median": round(statistics.median(schedule), 1), "round_us_mean": round(statistics.mean(schedule), 1),
+            "round_us_p99": round(schedule[int(0.99 * (len(schedule) - 1))], 1),
+            "prepare_us_median": round(statistics.median(prepare), 1)}  # fmt: skip
 
 
 def main() -> None:
@@ -92,11 +105,15 @@ def main() -> None:
                         help="where the tables' copy lives; none: no copy (the scheduler's own Python alone)")
     parser.add_argument("--against", default=None, metavar="KV_CACHE_PY",
                         help="another version of rimuru/kv_cache.py, its rounds alternated with these in one process")
+    parser.add_argument("--against-runner", default=None, metavar="MODEL_RUNNER_PY",
+                        help="with --against: that version's rimuru/model_runner.py makes its rounds' inputs")
     args = parser.parse_args()
     device = None if args.device == "none" else torch.device(args.device)
     emulators = {"this": Emulator(args.running, args.seed, device)}
     if args.against:
-        emulators["against"] = Emulator(args.running, args.seed, device, older_manager(args.against))
+        runner = load_file(args.against_runner, "runner_against").ModelRunner if args.against_runner else None
+        kv_cache = load_file(args.against, "kv_cache_against").KVCacheManager
+        emulators["against"] = Emulator(args.running, args.seed, device, kv_cache, runner)
     for _ in range(400):  # the prompts' prefill rounds, then decodes in steady state
         for emulator in emulators.values():
             emulator.round()
@@ -108,6 +125,7 @@ def main() -> None:
     if args.against:
         result["against"] = summary(rounds["against"])
         result["ratio_of_medians"] = round(result["round_us_median"] / result["against"]["round_us_median"], 3)
+        result["prepare_ratio"] = round(result["prepare_us_median"] / result["against"]["prepare_us_median"], 3)
     print(json.dumps(result | {"device": args.device, "cpu": platform.processor() or platform.machine()}))
 
 

@@ -253,9 +253,10 @@ hostphases() {  # the host time of each part of a decode step, paper rule agains
 }
 
 scheduler() {  # a scheduling round of 140 decodes with the page tables on the GPU (tools/bench_scheduler.py), and
-  # given .bench/kv_cache_before.py (`git show b2a86f2:rimuru/kv_cache.py`: a copy at each page allocation) its
-  # rounds alternated with that version's in the same process
+  # given .bench/kv_cache_before.py (`git show b2a86f2:rimuru/kv_cache.py`: a copy at each page allocation) and
+  # .bench/model_runner_before.py (`git show 0d983eb:rimuru/model_runner.py`) its rounds alternated with theirs
   local against=(); [ -f .bench/kv_cache_before.py ] && against=(--against .bench/kv_cache_before.py)
+  [ -f .bench/model_runner_before.py ] && against+=(--against-runner .bench/model_runner_before.py)
   python tools/bench_scheduler.py --device cuda "${against[@]}" | tee "$OUT/scheduler.json"
 }
 

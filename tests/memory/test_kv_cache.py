@@ -51,13 +51,14 @@ def test_the_scheduler_benchmark_runs_rounds_and_keeps_the_copy_equal(capsys, mo
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
     import bench_scheduler
 
-    this_version = Path(__file__).resolve().parents[2] / "rimuru" / "kv_cache.py"
+    package = Path(__file__).resolve().parents[2] / "rimuru"
     monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--running", "8", "--rounds", "20", "--device", "cpu",
-                                      "--against", str(this_version)])  # fmt: skip
+                                      "--against", str(package / "kv_cache.py"),
+                                      "--against-runner", str(package / "model_runner.py")])  # fmt: skip
     bench_scheduler.main()
     result = json.loads(capsys.readouterr().out)
     assert result["running"] == 8 and 0 < result["round_us_median"] <= result["round_us_p99"]
-    assert 0 < result["against"]["round_us_median"] and result["ratio_of_medians"] > 0
+    assert 0 < result["against"]["round_us_median"] and result["ratio_of_medians"] > 0 < result["prepare_ratio"]
     emulator = bench_scheduler.Emulator(8, 0, torch.device("cpu"))
     for _ in range(50):
         emulator.round()
