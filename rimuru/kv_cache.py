@@ -28,7 +28,7 @@ class KVCacheManager:
         # the same memory as a numpy array: the host writes a few entries a step, where numpy's indexing costs a
         # microsecond or two and torch's five to ten (a round of 140 decodes writes about 9 requests' pages)
         self._tables_np = self.tables.numpy()
-        # the same tables on the device, kept equal page by page, for CUDA graphs that gather them there; None: none
+        # the same tables on the device, for CUDA graphs that gather them there (equal after `sync_device`); None: none
         self.device_tables = None if device_copy is None else self.tables.to(device_copy, copy=True)
         self._stale_slots: set[int] = set()  # slots whose device rows lag the host's (`sync_device`)
         self._free_slots = list(range(max_slots - 1, -1, -1))

@@ -91,9 +91,12 @@ def load_file(path: str, name: str):
 def summary(rounds: list[tuple[float, float]]) -> dict:
     schedule = sorted(r[0] * 1e6 for r in rounds)
     prepare = [r[1] * 1e6 for r in rounds]
-    return {"round_us_median": round(statistics.median(schedule), 1), "round_us_mean": round(statistics.mean(schedule), 1),
-            "round_us_p99": round(schedule[int(0.99 * (len(schedule) - 1))], 1),
-            "prepare_us_median": round(statistics.median(prepare), 1)}  # fmt: skip
+    return {
+        "round_us_median": round(statistics.median(schedule), 1),
+        "round_us_mean": round(statistics.mean(schedule), 1),
+        "round_us_p99": round(schedule[int(0.99 * (len(schedule) - 1))], 1),
+        "prepare_us_median": round(statistics.median(prepare), 1),
+    }
 
 
 def main() -> None:
