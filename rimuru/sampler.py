@@ -1,13 +1,17 @@
 """`Sampler`: the next token of each request from its logits, with a greedy fast path.
 
-Greedy rows take the argmax. Other rows apply temperature, top-k, top-p and min-p, then draw from the request's
-own generator when it has a seed (so a seed reproduces whatever else is in the batch), else from the engine's.
-Log-probabilities are those of the model's distribution before any of these filters, as in vLLM.
+Greedy rows take the argmax. Other rows apply temperature, top-k, min-p and top-p, then draw. Rows without a seed
+are filtered and drawn together from the engine's generator (`filtered_probs`: a few tensor operations for the whole
+batch, not a few for each row, so a step of 140 sampled requests launches about 15 kernels instead of about a
+thousand). A seeded row is filtered and drawn on its own, from its own generator (`filtered_row`), so its tokens
+never depend on what else is in the batch. Log-probabilities are those of the model's distribution before any of
+these filters, as in vLLM, for all the rows that ask in one pass.
 """
 
 import torch
 
 from rimuru.request import Request
+from rimuru.sampling_params import SamplingParams
 
 
 class Sampler:
@@ -16,45 +20,79 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Token ids and (where asked) {token: logprob} for each row of `logits` [B, V] (fp32)."""
-        greedy = [r.params.is_greedy for r in requests]
         tokens = logits.argmax(dim=-1)  # [B]
-        if not all(greedy):
-            tokens = tokens.clone()
-            for row, request in enumerate(requests):
-                if not greedy[row]:
-                    tokens[row] = self._sample_row(logits[row], request)
+        unseeded = [row for row, r in enumerate(requests) if not r.params.is_greedy and r.generator is None]
+        if unseeded:
+            probs = filtered_probs(logits[unseeded], [requests[row].params for row in unseeded])  # [S, V]
+            tokens[unseeded] = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        for row, request in enumerate(requests):
+            if not request.params.is_greedy and request.generator is not None:
+                probs = filtered_row(logits[row], request.params)  # [V]
+                tokens[row] = torch.multinomial(probs, 1, generator=request.generator)[0]
         token_list = tokens.tolist()
-        logprobs = [None if r.params.logprobs is None else self._logprobs(logits[row], r, token_list[row])
-                    for row, r in enumerate(requests)]  # fmt: skip
-        return token_list, logprobs
-
-    def _sample_row(self, logits: torch.Tensor, request: Request) -> torch.Tensor:  # logits [V]
-        params = request.params
-        logits = logits / params.temperature
-        if params.top_k > 0:
-            kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
-            logits = logits.masked_fill(logits < kth, float("-inf"))
-        probs = logits.softmax(dim=-1)  # [V]
-        if params.min_p > 0:
-            probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
-        if params.top_p < 1:
-            probs = _top_p(probs, params.top_p)
-        generator = request.generator or self.generator
-        return torch.multinomial(probs, 1, generator=generator)[0]
-
-    @staticmethod
-    def _logprobs(logits: torch.Tensor, request: Request, token: int) -> dict[int, float]:
-        logprobs = logits.log_softmax(dim=-1)  # [V]
-        top = torch.topk(logprobs, request.params.logprobs) if request.params.logprobs else None
-        chosen = {token: float(logprobs[token])}
-        if top is not None:
-            chosen |= dict(zip(top.indices.tolist(), top.values.tolist()))
-        return chosen
+        return token_list, logprobs_of(logits, requests, token_list)
 
 
-def _top_p(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    """Keep the smallest set of most likely tokens whose mass reaches top_p (the top token always stays)."""
-    sorted_probs, order = probs.sort(descending=True)
+def filtered_row(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # logits [V] -> probs [V]
+    """One row's sampling distribution: temperature, then top-k, min-p and top-p. The definition `filtered_probs`
+    computes for many rows at once."""
+    logits = logits / params.temperature
+    if params.top_k > 0:
+        kth = torch.topk(logits, min(params.top_k, logits.shape[-1])).values[-1]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = logits.softmax(dim=-1)  # [V]
+    if params.min_p > 0:
+        probs = probs.masked_fill(probs < params.min_p * probs.max(), 0.0)
+    if params.top_p < 1:
+        probs = _top_p(probs[None], torch.tensor([params.top_p], device=probs.device))[0]
+    return probs
+
+
+def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:  # [S, V] -> [S, V]
+    """`filtered_row` of every row at once, each with its own parameters; a filter no row asks for is skipped."""
+    device, vocab = logits.device, logits.shape[-1]
+    column = lambda values: torch.tensor(values, dtype=logits.dtype, device=device)[:, None]  # noqa: E731
+    logits = logits / column([p.temperature for p in params])
+    top_ks = [min(p.top_k, vocab) for p in params]
+    if any(k > 0 for k in top_ks):
+        ranks = torch.tensor([max(k, 1) - 1 for k in top_ks], device=device)[:, None]  # [S, 1]
+        kth = logits.topk(max(top_ks), dim=-1).values.gather(1, ranks)  # [S, 1] each row's k-th largest
+        limited = torch.tensor([k > 0 for k in top_ks], device=device)[:, None]
+        logits = logits.masked_fill((logits < kth) & limited, float("-inf"))
+    probs = logits.softmax(dim=-1)
+    if any(p.min_p > 0 for p in params):
+        probs = probs.masked_fill(probs < column([p.min_p for p in params]) * probs.amax(-1, keepdim=True), 0.0)
+    if any(p.top_p < 1 for p in params):
+        probs = _top_p(probs, column([p.top_p for p in params])[:, 0])
+    return probs
+
+
+def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # probs [S, V], top_p [S]
+    """Keep in each row the smallest set of most likely tokens whose mass reaches its top_p (the top token always
+    stays; 1 keeps them all). The sort is stable: tied tokens keep their id order."""
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    sorted_probs = sorted_probs.masked_fill(mass_before > top_p * sorted_probs.sum(), 0.0)
-    return torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    limit = top_p[:, None] * sorted_probs.sum(dim=-1, keepdim=True)  # [S, 1]
+    sorted_probs = sorted_probs.masked_fill((mass_before > limit) & (top_p[:, None] < 1), 0.0)
+    return torch.zeros_like(probs).scatter_(1, order, sorted_probs)
+
+
+def logprobs_of(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[dict[int, float] | None]:
+    """{chosen token: logprob} plus each asking row's top `logprobs` tokens, None for rows that do not ask; the
+    rows that ask in one log-softmax, one top-k and one copy to the host."""
+    rows = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
+    result: list[dict[int, float] | None] = [None] * len(requests)
+    if not rows:
+        return result
+    logprobs = logits[rows].log_softmax(dim=-1)  # [R, V]
+    chosen = logprobs.gather(1, torch.tensor([tokens[row] for row in rows], device=logits.device)[:, None])
+    most = max(requests[row].params.logprobs for row in rows)
+    top = logprobs.topk(most, dim=-1) if most else None
+    chosen_list = chosen[:, 0].tolist()
+    top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+    for i, row in enumerate(rows):
+        k = requests[row].params.logprobs
+        result[row] = {tokens[row]: chosen_list[i]}
+        if k:
+            result[row] |= dict(zip(top_ids[i][:k], top_values[i][:k]))
+    return result

@@ -42,6 +42,8 @@
 #   hook      the routing hook's host time and operations a layer (tools/bench_hook.py): $MODEL fixed-8 at $BUDGET, ~1 min
 #   scheduler a scheduling round of 140 decodes, the page tables' device copy synced once (and, given
 #             .bench/kv_cache_before.py, alternated with the copies at each allocation before 026cd3f), ~30 s
+#   sampler   a step of 140 sampled (temperature, top-p) requests: the batched sampler, and given
+#             .bench/sampler_before.py the one-row-at-a-time one before it, ~30 s
 #   cache     (last) Triton's kernel cache as $OUT/triton-cache.tar.gz.part-*: copy the parts to .bench/ here (and
 #             remove an older triton-cache.tar.gz; tools/device_env.sh unpacks them on the device), so later calls
 #             skip the compiles
@@ -258,6 +260,12 @@ scheduler() {  # a scheduling round of 140 decodes with the page tables on the G
   local against=(); [ -f .bench/kv_cache_before.py ] && against=(--against .bench/kv_cache_before.py)
   [ -f .bench/model_runner_before.py ] && against+=(--against-runner .bench/model_runner_before.py)
   python tools/bench_scheduler.py --device cuda "${against[@]}" | tee "$OUT/scheduler.json"
+}
+
+sampler() {  # a step of 140 sampled requests, Qwen's vocabulary (tools/bench_sampler.py); given
+  # .bench/sampler_before.py (`git show bc32907:rimuru/sampler.py`: a few kernels a row) that one alternated
+  local against=(); [ -f .bench/sampler_before.py ] && against=(--against .bench/sampler_before.py)
+  python tools/bench_sampler.py --device cuda "${against[@]}" 2> /dev/null | tee "$OUT/sampler.json"
 }
 
 cache() {  # last in a call: Triton's compiled kernels, to carry in .bench next time (tools/device_env.sh unpacks them)
