@@ -9,6 +9,7 @@ and a per-step time series of the pool split, the queues and where the step's wa
 """
 
 import gzip
+import importlib.util
 import json
 import os
 import statistics
@@ -51,6 +52,15 @@ def read_records(specs: list[str], label_of=lambda path: path) -> list[tuple[str
         with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
             records.append((label or label_of(path), json.load(f)))
     return records
+
+
+def load_version(path: str, name: str):
+    """The module in `path`: another version of one of rimuru's files (`git show REV:rimuru/sampler.py > FILE`),
+    which a tool runs beside this one (`tools/bench_scheduler.py --against`, `tools/bench_sampler.py --against`)."""
+    spec = importlib.util.spec_from_file_location(name, path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class _Clock:

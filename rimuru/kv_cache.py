@@ -25,8 +25,8 @@ class KVCacheManager:
         self.num_layers, self.page_tokens = num_layers, page_tokens
         self.max_pages = -(-max_model_len // page_tokens)
         self.tables = torch.full((num_layers, max_slots, self.max_pages), -1, dtype=torch.int32)  # [L, slots, P]
-        # the same memory as a numpy array: the host writes a few entries a step, where numpy's indexing costs a
-        # microsecond or two and torch's five to ten (a round of 140 decodes writes about 9 requests' pages)
+        # the same memory as a numpy array: the host writes a few entries a step, and numpy indexes small slices
+        # with less overhead than torch (docs/benchmarks/allocator.md)
         self._tables_np = self.tables.numpy()
         # the same tables on the device, for CUDA graphs that gather them there (equal after `sync_device`); None: none
         self.device_tables = None if device_copy is None else self.tables.to(device_copy, copy=True)
@@ -38,10 +38,6 @@ class KVCacheManager:
     def slot(self, request_id: str) -> int:
         return self._slot[request_id]
 
-    def holds(self, request_id: str, num_tokens: int) -> bool:
-        """Whether the request's pages already hold `num_tokens` tokens (a decode step, mostly): no allocation."""
-        return num_tokens <= self._num_pages.get(request_id, 0) * self.page_tokens
-
     def num_new_pages(self, request_id: str, num_tokens: int) -> int:
         """Pages (all layers together) a request must add to hold `num_tokens` tokens. Does not mutate."""
         have = self._num_pages.get(request_id, 0)
@@ -49,9 +45,10 @@ class KVCacheManager:
 
     def allocate(self, request_id: str, num_tokens: int) -> bool:
         """Grow the request's pages to hold `num_tokens`; False (and no change) when the pool cannot."""
-        num_new = self.num_new_pages(request_id, num_tokens)
-        if num_new == 0:
+        have = self._num_pages.get(request_id, 0)
+        if num_tokens <= have * self.page_tokens:  # most calls: a decode step inside the pages it holds
             return True
+        num_new = self.num_new_pages(request_id, num_tokens)
         if request_id not in self._slot and not self._free_slots:
             return False
         page_ids = self.allocator.allocate(request_id, num_new, KV)
@@ -60,7 +57,6 @@ class KVCacheManager:
         slot = self._slot.get(request_id)
         if slot is None:
             slot = self._slot[request_id] = self._free_slots.pop()
-        have = self._num_pages.get(request_id, 0)
         per_layer = num_new // self.num_layers
         block = np.asarray(page_ids, dtype=np.int32).reshape(per_layer, self.num_layers)  # [new, L]
         self._tables_np[:, slot, have : have + per_layer] = block.T
@@ -85,8 +81,8 @@ class KVCacheManager:
 
     def sync_device(self) -> None:
         """Copy the rows of the slots changed since the last call to the device tables: one gather of whole rows
-        (contiguous [P] runs: 9 us for 9 slots on the development CPU, against 41 for the same rows cut to the pages
-        in use) and one transfer. The pass that reads them must come after."""
+        (contiguous runs of P, which gather faster than rows cut to the pages in use) and one transfer. The pass
+        that reads them must come after."""
         if not self._stale_slots:
             return
         slots = torch.tensor(sorted(self._stale_slots), dtype=torch.int64)

@@ -85,7 +85,7 @@ class Scheduler:
         """Pages for `request`; when short, wait for the adjuster if it can cover the shortfall, else preempt the
         newest running requests until they fit. False if the request is not scheduled this round."""
         target = request.num_computed_tokens + num_new
-        if self.kv_cache.holds(request.request_id, target) or self.kv_cache.allocate(request.request_id, target):
+        if self.kv_cache.allocate(request.request_id, target):
             return True
         if self._adjuster_can_cover(self.kv_cache.num_new_pages(request.request_id, target)):
             return False

@@ -9,7 +9,6 @@ the aten operations a step of each.
 """
 
 import argparse
-import importlib.util
 import json
 import statistics
 import time
@@ -18,15 +17,9 @@ from types import SimpleNamespace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from rimuru.benchmark import load_version
 from rimuru.sampler import Sampler
 from rimuru.sampling_params import SamplingParams
-
-
-def load_sampler(path: str):
-    spec = importlib.util.spec_from_file_location("sampler_against", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module.Sampler
 
 
 def operations(step) -> int:
@@ -60,7 +53,8 @@ def main() -> None:
                                 generator=None) for i in range(args.rows)]  # fmt: skip
     samplers = {"this": Sampler(torch.Generator(device).manual_seed(0))}
     if args.against:
-        samplers["against"] = load_sampler(args.against)(torch.Generator(device).manual_seed(0))
+        older = load_version(args.against, "sampler_against").Sampler
+        samplers["against"] = older(torch.Generator(device).manual_seed(0))
     steps = {name: (lambda s=sampler: s(logits, requests)) for name, sampler in samplers.items()}
     for step in steps.values():  # warm-up
         step()

@@ -16,7 +16,6 @@ rimuru/kv_cache.py (and rimuru/model_runner.py) in the same process. Prints JSON
 """
 
 import argparse
-import importlib.util
 import json
 import platform
 import random
@@ -25,6 +24,7 @@ import time
 
 import torch
 
+from rimuru.benchmark import load_version
 from rimuru.kv_cache import KVCacheManager
 from rimuru.memory import PageAllocator, page_sizes
 from rimuru.model_runner import step_inputs
@@ -44,8 +44,6 @@ class Emulator:
         for owner in [(layer, e) for layer in range(LAYERS) for e in range(16)]:  # 1,152 expert pages resident
             allocator.allocate_expert(owner)
         self.kv_cache = kv_cache_class(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, 4096, device_copy=device)  # None: none
-        if not hasattr(self.kv_cache, "holds"):  # a manager from before 761eb21: every round asks `allocate`
-            self.kv_cache.holds = lambda request_id, num_tokens: False
         self.scheduler = Scheduler(SchedulerConfig(MAX_SEQS, 2048), self.kv_cache)
         self.prepare = lambda batch: step_inputs(batch, self.kv_cache.slot)
         if runner_class is not None:  # an older ModelRunner: its `prepare` reads only `kv_cache`
@@ -80,14 +78,6 @@ class Emulator:
         return seconds
 
 
-def load_file(path: str, name: str):
-    """A module from another version of one of rimuru's files (`git show REV:rimuru/kv_cache.py > FILE`)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def summary(rounds: list[tuple[float, float]]) -> dict:
     schedule = sorted(r[0] * 1e6 for r in rounds)
     prepare = [r[1] * 1e6 for r in rounds]
@@ -114,8 +104,8 @@ def main() -> None:
     device = None if args.device == "none" else torch.device(args.device)
     emulators = {"this": Emulator(args.running, args.seed, device)}
     if args.against:
-        runner = load_file(args.against_runner, "runner_against").ModelRunner if args.against_runner else None
-        kv_cache = load_file(args.against, "kv_cache_against").KVCacheManager
+        runner = load_version(args.against_runner, "runner_against").ModelRunner if args.against_runner else None
+        kv_cache = load_version(args.against, "kv_cache_against").KVCacheManager
         emulators["against"] = Emulator(args.running, args.seed, device, kv_cache, runner)
     for _ in range(400):  # the prompts' prefill rounds, then decodes in steady state
         for emulator in emulators.values():

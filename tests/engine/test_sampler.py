@@ -14,8 +14,12 @@ VOCAB = 37
 
 
 def random_params(rng: random.Random) -> SamplingParams:
-    return SamplingParams(temperature=rng.choice([0.3, 0.7, 1.0, 1.6]), top_k=rng.choice([0, 0, 2, 5, VOCAB + 4]),
-                          min_p=rng.choice([0.0, 0.0, 0.05, 0.3]), top_p=rng.choice([1.0, 1.0, 0.9, 0.5, 0.1]))  # fmt: skip
+    return SamplingParams(
+        temperature=rng.choice([0.3, 0.7, 1.0, 1.6]),
+        top_k=rng.choice([0, 0, 2, 5, VOCAB + 4]),
+        min_p=rng.choice([0.0, 0.0, 0.05, 0.3]),
+        top_p=rng.choice([1.0, 1.0, 0.9, 0.5, 0.1]),
+    )
 
 
 def tied_logits(rows: int, generator: torch.Generator) -> torch.Tensor:

@@ -16,7 +16,9 @@ def test_pages_are_dealt_out_layer_by_layer():
     slot = kv.slot("r")
     assert kv.tables[0, slot, :3].tolist() == [0, 2, 4] and kv.tables[1, slot, :3].tolist() == [1, 3, 5]
     assert kv.tables[:, slot, 3].tolist() == [-1, -1]
-    assert kv.holds("r", 6) and not kv.holds("r", 7) and not kv.holds("other", 1)  # 3 pages of 2 tokens
+    tables = kv.tables.clone()
+    assert kv.allocate("r", 6) and torch.equal(kv.tables, tables)  # 3 pages of 2 tokens hold 6: nothing taken
+    assert kv.allocate("r", 7) and kv.tables[:, slot, 3].tolist() == [6, 7]
 
 
 def test_the_device_copy_lags_until_a_sync_then_equals_the_host_tables():
