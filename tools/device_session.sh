@@ -11,6 +11,7 @@
 # and the profiled expert rankings, which save the jobs a minute of profiling each (same seeds and skews):
 #   cp docs/benchmarks/qwen1.5-moe-skew1-expert_ranking.json .bench/qwen1.5-moe-a2.7b/expert_ranking.json
 #   cp docs/benchmarks/paper-scenario/expert_ranking-qwen1.5-skew0.5.json .bench/qwen1.5-moe-a2.7b/expert_ranking-skew0.5.json
+#   cp docs/benchmarks/paper-scenario/expert_ranking-qwen1.5-skew2.0.json .bench/qwen1.5-moe-a2.7b/expert_ranking-skew2.0.json
 #   mkdir -p .bench/qwen3-30b-a3b && cp ../shared/models/qwen3-30b-a3b/config.json .bench/qwen3-30b-a3b/
 #   cp docs/benchmarks/qwen3-30b-a3b-skew1-expert_ranking.json .bench/qwen3-30b-a3b/expert_ranking.json
 # Jobs:
