@@ -19,6 +19,7 @@ import bench_sweep  # noqa: E402
 import bench_table  # noqa: E402
 import plot_bench  # noqa: E402
 import shift_stream  # noqa: E402
+import simulate_queue  # noqa: E402
 
 
 def write_stream(path: Path, num: int, vocab_size: int) -> list[dict]:
@@ -225,3 +226,19 @@ def test_the_adjuster_benchmark_times_both_rules_on_a_placement_that_refreshes(c
     adjuster.refresh_if_due()
     assert adjuster.estimates["cost_measured"] == 1 and adjuster.estimates["cost_next_eviction_ms"] > 0
 
+
+
+def test_the_queue_simulation_serves_every_request_and_a_full_reserve_never_preempts(tmp_path):
+    """`tools/simulate_queue.py` runs the engine's scheduler to the end: every request gets its first token, the
+    throughput counts every output token, a capacity too small for the burst preempts, and admission that reserves
+    each running request's whole remaining output (`--reserve 1`) never has to."""
+    stream = [dict(r, arrival=0.0) for r in write_stream(tmp_path / "s.jsonl", 40, 500)]
+    args = simulate_queue.argparse.Namespace(step_ms=4.0, per_request_ms=0.2, per_prefill_token_ms=0.01,
+                                             max_num_seqs=256, max_num_batched_tokens=512)  # fmt: skip
+    tight = simulate_queue.simulate(stream, 12, args)
+    reserved = simulate_queue.simulate(stream, 12, args, reserve=1.0)
+    roomy = simulate_queue.simulate(stream, 400, args)
+    assert tight["preemptions"] > 0 and reserved["preemptions"] == 0 and roomy["preemptions"] == 0
+    assert tight["output_tokens"] == reserved["output_tokens"] == roomy["output_tokens"] == sum(
+        r["max_tokens"] for r in stream)
+    assert roomy["ttft_mean_s"] < tight["ttft_mean_s"]
