@@ -9,7 +9,9 @@ ONE_PROGRAM_CHUNKS CHUNKs one launch of one program does all of it (6.5-10.6 us 
 the torch path's ~25 small launches, eager and host bound; docs/benchmarks/kernels.md). The torch path (argsort,
 cumsum, scatter) serves CPU. Every path gives the same layout, which the interpreter tests check. A single token
 needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair (so do a few tokens where the
-tuned config says `PAIR_BLOCKS`). Does not own the GEMMs (`rimuru.ops.paged_moe`).
+tuned config says `PAIR_BLOCKS`). The atomic sort (`_atomic_count_and_scatter`, from ATOMIC_SORT_FROM_PAIRS pairs)
+counts and places each pair with an atomic instead of one-hot tiles, in two launches and a memset: its runs hold
+the same pairs in any order (the other paths keep each run in pair order), which changes no output. Does not own the GEMMs (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
 
@@ -40,6 +42,10 @@ MAX_SORT_PROGRAMS = 128
 # at 32 x 64 and 128 x 64 (Qwen1.5) it lost by 2.4 us
 SCAN_ABOVE_ENTRIES = 128 * 64
 SCAN_ENTRIES = 128 * 128  # the scan's tile: the whole table of MAX_SORT_PROGRAMS x 128 experts in one load
+# the atomic sort (`_atomic_count_and_scatter`): pairs a program takes, and a tile of them; from this many pairs up
+# the op takes it (None: never, until the H200 has timed it against the count-and-scatter sort: `breakdown`)
+ATOMIC_PAIRS_EACH, ATOMIC_TILE = 256, 256
+ATOMIC_SORT_FROM_PAIRS: int | None = None
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -204,6 +210,65 @@ def _align_one_program_kernel(
                    num_pairs, num_experts, max_blocks, max_blocks, num_pairs, BLOCK_M, EXPERTS_PAD, TILE)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "num_experts", "max_rows", "max_blocks", "pairs_each", "rows_each",
+                               "num_programs"])  # fmt: skip
+def _atomic_count_kernel(
+    p_ids, p_counts, p_cursor, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows,
+    max_blocks, pairs_each, rows_each, num_programs,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr, BLOCKS_TILE: tl.constexpr,
+):
+    """Each program adds its pairs to the [E] counts (an atomic a pair, no one-hot tile) and fills its share of
+    the rows with the pad id; the last program to finish (an atomic ticket after the counts, `p_counts[E_PAD]`)
+    pads the runs, sets each expert's cursor to its run's start, and writes the block experts and the row count."""
+    i_c = tl.program_id(0)
+    start = i_c * pairs_each
+    end = tl.minimum(start + pairs_each, num_pairs)
+    for tile_start in range(start, end, TILE):
+        o_p = tile_start + tl.arange(0, TILE)
+        m_p = o_p < end
+        tl.atomic_add(p_counts + tl.load(p_ids + o_p, mask=m_p, other=0), 1, mask=m_p, sem="relaxed")
+    _fill_pad_ids(p_sorted_ids, i_c * rows_each, tl.minimum(max_rows, (i_c + 1) * rows_each), num_pairs, TILE)
+    tl.debug_barrier()  # NOTE: every thread's counts before the ticket's release
+    if tl.atomic_add(p_counts + EXPERTS_PAD, 1, sem="acq_rel") == num_programs - 1:
+        o_e = tl.arange(0, EXPERTS_PAD)
+        b_total = tl.atomic_add(p_counts + o_e, 0, mask=o_e < num_experts, sem="acq_rel")  # coherent reads
+        b_total = tl.where(o_e < num_experts, b_total, 0)
+        b_padded, b_end = _padded_runs(b_total, BLOCK_M)
+        tl.store(p_cursor + o_e, b_end - b_padded)
+        _store_block_experts(p_block_expert, b_end, 0, max_blocks, num_experts, BLOCK_M, BLOCKS_TILE)
+        tl.store(p_num_padded, tl.max(b_end, 0))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "pairs_each"])
+def _atomic_scatter_kernel(p_ids, p_cursor, p_sorted_ids, num_pairs, pairs_each, TILE: tl.constexpr):
+    """Each pair takes the next row of its expert's run (an atomic on the expert's cursor): within a run the pairs
+    land in any order, which no output depends on (a GEMM row is computed alone, the top-k sum goes by k)."""
+    start = tl.program_id(0) * pairs_each
+    end = tl.minimum(start + pairs_each, num_pairs)
+    for tile_start in range(start, end, TILE):
+        o_p = tile_start + tl.arange(0, TILE)
+        m_p = o_p < end
+        b_row = tl.atomic_add(p_cursor + tl.load(p_ids + o_p, mask=m_p, other=0), 1, mask=m_p, sem="relaxed")
+        tl.store(p_sorted_ids + b_row, o_p, mask=m_p)
+
+
+def _atomic_count_and_scatter(ids, out, num_experts: int, block_m: int, pairs_each: int = ATOMIC_PAIRS_EACH) -> None:
+    """The sort in two launches and a memset, with atomics (`_atomic_count_kernel`, `_atomic_scatter_kernel`)."""
+    sorted_ids, block_expert, num_padded = out
+    num_pairs, experts_pad = ids.numel(), triton.next_power_of_2(num_experts)
+    num_programs = triton.cdiv(num_pairs, pairs_each)
+    counts = torch.zeros(experts_pad + 1, dtype=torch.int32, device=ids.device)  # [E_PAD] counts, then the ticket
+    cursor = torch.empty(experts_pad, dtype=torch.int32, device=ids.device)
+    tile = min(pairs_each, ATOMIC_TILE)
+    _atomic_count_kernel[(num_programs,)](
+        ids, counts, cursor, sorted_ids, block_expert, num_padded, num_pairs, num_experts, sorted_ids.numel(),
+        block_expert.numel(), pairs_each, triton.cdiv(sorted_ids.numel(), num_programs), num_programs,
+        BLOCK_M=block_m, EXPERTS_PAD=experts_pad, TILE=tile, BLOCKS_TILE=max(16, TILE_ENTRIES // experts_pad // 2),
+        num_warps=4,
+    )
+    _atomic_scatter_kernel[(num_programs,)](ids, cursor, sorted_ids, num_pairs, pairs_each, TILE=tile, num_warps=4)
+
+
 def tile_chunk(num_experts: int) -> int:
     """The most pairs a [tile, E] one-hot tile may hold (TILE_ENTRIES): 128 for 60 experts, 64 for 128."""
     return min(CHUNK, max(16, TILE_ENTRIES // triton.next_power_of_2(num_experts)))
@@ -241,10 +306,12 @@ def sort_chunks(num_pairs: int, tile: int, max_programs: int = MAX_SORT_PROGRAMS
 
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None,
-                        chunk: int | None = None, scan: bool | None = None, max_programs: int = MAX_SORT_PROGRAMS):
+                        chunk: int | None = None, scan: bool | None = None, max_programs: int = MAX_SORT_PROGRAMS,
+                        atomic: bool | None = None):  # fmt: skip
     """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS CHUNKs of pairs, else count then scatter
     (at most `max_programs` programs, each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the
-    counts between the two past SCAN_ABOVE_ENTRIES (`scans_counts`). `one_program` and `scan` force a path."""
+    counts between the two past SCAN_ABOVE_ENTRIES (`scans_counts`); from ATOMIC_SORT_FROM_PAIRS pairs the atomic
+    sort, whose runs hold their pairs in any order. `one_program`, `scan` and `atomic` force a path."""
     num_pairs = topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
     out = (torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device),  # sorted_ids
@@ -252,7 +319,11 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
            torch.empty(1, dtype=torch.int32, device=topk_ids.device))  # num_padded
     ids = topk_ids.contiguous()
     use_one_program = triton.cdiv(num_pairs, CHUNK) <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
-    if use_one_program:
+    if atomic is None:
+        atomic = ATOMIC_SORT_FROM_PAIRS is not None and num_pairs >= ATOMIC_SORT_FROM_PAIRS and one_program is None
+    if atomic:
+        _atomic_count_and_scatter(ids, out, num_experts, block_m)
+    elif use_one_program:
         _align_one_program_kernel[(1,)](
             ids, *out, num_pairs, num_experts, max_rows, out[1].numel(), BLOCK_M=block_m,
             EXPERTS_PAD=triton.next_power_of_2(num_experts), TILE=one_program_chunk(num_pairs, num_experts),

@@ -7,7 +7,7 @@ Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs)
   floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
   align         align_tokens as the op runs it (0 at M = 1: one block a pair, no sort); align_paths: its other
                 paths (one program for the whole sort up to 8 chunks of pairs, count + scatter with each scatter
-                program summing the prefix or with one scan of the counts first, 128-pair chunks)
+                program summing the prefix or with one scan of the counts first, 128-pair chunks, the atomic sort)
   casts         topk_weights.to(fp32) and page_table.to(int32); 0 and `casts_noop` when both return their input
   gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them; pair_block_gemms
                 (1 < M <= 8): both over one block a pair, unsorted (repeated experts read twice, or from L2)
@@ -98,6 +98,7 @@ def time_align(row, ids, shape, cfg, smoke):
     if num_chunks <= 8:
         paths["one program"] = {"one_program": True}
     paths["count + scatter"] = {"one_program": False, "scan": False}
+    paths["atomic count + scatter"] = {"atomic": True}  # runs in any order (`_atomic_count_and_scatter`)
     paths["count + scan + scatter"] = {"one_program": False, "scan": True}
     if tile != CHUNK:  # the smaller tiles the op takes, against 128-pair ones
         paths[f"count + scatter, {CHUNK}-pair tiles"] = {"one_program": False, "scan": False, "chunk": CHUNK}

@@ -14,7 +14,7 @@ import torch
 if os.environ.get("TRITON_INTERPRET") != "1":
     pytest.skip("needs TRITON_INTERPRET=1 before triton kernels are defined", allow_module_level=True)
 
-from ops_cases import MIXED_BATCH, attention_case, moe_case  # noqa: E402
+from ops_cases import MIXED_BATCH, attention_case, moe_case, runs_in_pair_order  # noqa: E402
 
 from rimuru.ops import reference  # noqa: E402
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
@@ -281,6 +281,39 @@ def test_align_tokens_either_path(num_pairs, num_experts, block_m, one_program):
     tri = align_tokens_triton(topk_ids, num_experts, block_m, one_program=one_program)
     for a, b in zip(ref, tri):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (130, 60, 16), (700, 128, 64),
+                                                           (1000, 128, 16), (9000, 4, 16), (600, 60, 128)])
+def test_atomic_sort_lays_out_the_same_runs(num_pairs, num_experts, block_m):
+    """The atomic sort: the torch layout's block experts and row count exactly, and each run the same pairs (in
+    whatever order the atomics gave; here, programs run one after another, the pair order). 600 pairs in 256-pair
+    programs: the last one partial; 9000 over 4 experts: thousands of atomics on one counter."""
+    topk_ids = torch.randint(0, num_experts, (num_pairs, 1), generator=torch.Generator().manual_seed(num_pairs))
+    sorted_ids, block_expert, num_padded = align_tokens_torch(topk_ids, num_experts, block_m)
+    tri = align_tokens_triton(topk_ids, num_experts, block_m, atomic=True)
+    assert torch.equal(tri[1], block_expert) and torch.equal(tri[2], num_padded)
+    assert torch.equal(runs_in_pair_order(tri[0], block_expert, block_m), sorted_ids)
+
+
+def test_the_op_over_runs_in_another_order_gives_the_same_values():
+    """What the atomic sort relies on: the op's output does not depend on the order of the pairs inside a run (each
+    GEMM row is computed alone). The pairs of every run reversed, against the sorted layout: equal, exactly."""
+    from rimuru.ops.paged_moe import moe_gemms
+
+    case = moe_case(70, 8, 2, num_features=40, hidden_size=72, seed=4)
+    sorted_ids, block_expert, num_padded = align_tokens_torch(case.topk_ids, 8, SMALL["BLOCK_M"])
+    experts_of_rows = block_expert.repeat_interleave(SMALL["BLOCK_M"])[: sorted_ids.numel()]
+    reversed_ids = sorted_ids.clone()
+    for expert in range(8):
+        run = (experts_of_rows == expert).nonzero().flatten()
+        real = run[sorted_ids[run] < case.topk_ids.numel()]
+        reversed_ids[real] = sorted_ids[real].flip(0)
+    assert not torch.equal(reversed_ids, sorted_ids)
+    args = (case.hidden, case.expert_view, case.page_table, case.topk_weights.reshape(-1))
+    one = moe_gemms(*args, sorted_ids, block_expert, num_padded, 40, SMALL)
+    other = moe_gemms(*args, reversed_ids, block_expert, num_padded, 40, SMALL)
+    assert torch.equal(one, other)
 
 
 @pytest.mark.parametrize("chunk", [16, 32, 128])

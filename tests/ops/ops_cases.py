@@ -95,3 +95,14 @@ def attention_case(requests, num_heads, num_kv_heads, head_dim, page_tokens, dty
 
 
 MIXED_BATCH = [(37, 1), (20, 19), (0, 23), (5, 1), (9, 0), (0, 1), (64, 7)]  # decode, chunk, prefill, empty
+
+
+def runs_in_pair_order(sorted_ids, block_expert, block_m):
+    """`sorted_ids` with each expert's run sorted: a sort's layout up to the order inside runs (the atomic sort's
+    runs hold their pairs in any order)."""
+    rows = sorted_ids.clone()
+    experts_of_rows = block_expert.repeat_interleave(block_m)[: rows.numel()]
+    for expert in experts_of_rows.unique().tolist():
+        run = experts_of_rows == expert
+        rows[run] = rows[run].sort().values
+    return rows

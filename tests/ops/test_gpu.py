@@ -3,7 +3,7 @@ outputs, relative error under 1e-2."""
 
 import pytest
 import torch
-from ops_cases import MIXED_BATCH, attention_case, moe_case
+from ops_cases import MIXED_BATCH, attention_case, moe_case, runs_in_pair_order
 
 import rimuru.ops as ops
 from rimuru.ops import reference
@@ -160,14 +160,42 @@ def test_compile_fullgraph_inductor_cuda():
                                                                     (777, 60, 4, 32), (3000, 60, 4, 64),
                                                                     (8, 128, 8, 16), (64, 60, 4, 16)])
 @pytest.mark.parametrize("path", [{}, {"one_program": True}, {"one_program": False, "scan": False},
-                                  {"one_program": False, "scan": True}])  # {}: the path the op takes
+                                  {"one_program": False, "scan": True}, {"atomic": True}])  # {}: the op's path
 def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block_m, path):
-    from rimuru.ops.moe_align import align_tokens_torch, align_tokens_triton
+    """Every path gives the torch layout; the atomic sort up to the order inside each run."""
+    from rimuru.ops import moe_align
 
     topk_ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices
-    for ref, tri in zip(align_tokens_torch(topk_ids, num_experts, block_m),
-                        align_tokens_triton(topk_ids, num_experts, block_m, **path)):
-        assert torch.equal(ref, tri)
+    sorted_ids, block_expert, num_padded = moe_align.align_tokens_torch(topk_ids, num_experts, block_m)
+    tri = moe_align.align_tokens_triton(topk_ids, num_experts, block_m, **path)
+    assert torch.equal(tri[1], block_expert) and torch.equal(tri[2], num_padded)
+    from_pairs = moe_align.ATOMIC_SORT_FROM_PAIRS
+    if path.get("atomic") or (not path and from_pairs is not None and topk_ids.numel() >= from_pairs):
+        assert torch.equal(runs_in_pair_order(tri[0], block_expert, block_m), sorted_ids)
+    else:
+        assert torch.equal(tri[0], sorted_ids)
+
+
+@pytest.mark.parametrize("num_tokens", [1024, 4096])
+def test_the_op_with_the_atomic_sort_gives_the_same_values_bf16(num_tokens, monkeypatch):
+    """The atomic sort's runs in another order change no output: the op equal, exactly, to the op over the
+    count-and-scatter sort (Qwen3-30B-A3B's expert shape), eagerly and replayed from a graph."""
+    from rimuru.ops import moe_align
+    from rimuru.ops.paged_moe import paged_moe_triton
+
+    seed = int(torch.randint(0, 1 << 30, ()))
+    case = moe_case(num_tokens, 128, 8, 768, 2048, torch.bfloat16, "cuda", seed)
+    expected = paged_moe_triton(*case.args())
+    monkeypatch.setattr(moe_align, "ATOMIC_SORT_FROM_PAIRS", 1)
+    assert torch.equal(paged_moe_triton(*case.args()), expected)
+    graph = torch.cuda.CUDAGraph()
+    paged_moe_triton(*case.args())
+    with torch.cuda.graph(graph):
+        out = paged_moe_triton(*case.args())
+    for _ in range(3):
+        out.fill_(float("nan"))
+        graph.replay()
+        assert torch.equal(out, expected)
 
 
 @pytest.mark.parametrize("num_tokens,top_k,hidden_size", [(1, 8, 2048), (4096, 8, 2048), (777, 4, 2048), (9, 6, 136)])
