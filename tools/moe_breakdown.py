@@ -14,7 +14,8 @@ Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs)
   sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
   op            the whole op as wired by default; op_torch_sum and op_triton_sum: with each top-k sum
   op_sum_in_down  the op with the top-k sum in the down kernel (`SUM_IN_DOWN`); sum_in_down_equal: exactly the
-                values of the op with the Triton top-k sum
+                values of the op with the Triton top-k sum; op_atomic_sort(_sum_in_down): with the atomic sort too
+                (where the op sorts), atomic_sort_equal: the same values again
   op_layers     (M = 1 and 8) the op's share of a graph of 8 calls over 8 expert pools, as a step's graph holds it
                 (the replay paid once, no weights shared in L2); at M = 1 also as a share of the copy rate
   unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one;
@@ -180,15 +181,35 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     return row
 
 
+@contextlib.contextmanager
+def atomic_sort():
+    """The op's sort as the atomic one (`ATOMIC_SORT_FROM_PAIRS` 1), whatever the default."""
+    moe_align = importlib.import_module("rimuru.ops.moe_align")
+    wired = moe_align.ATOMIC_SORT_FROM_PAIRS
+    moe_align.ATOMIC_SORT_FROM_PAIRS = 1
+    try:
+        yield
+    finally:
+        moe_align.ATOMIC_SORT_FROM_PAIRS = wired
+
+
 def time_sum_in_down(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
-    """The op with the top-k sum in the down kernel's epilogue (`SUM_IN_DOWN`, `_sum_finished_tokens`), and
-    whether it gives exactly the op's values with the Triton top-k sum after the GEMMs."""
-    fused_cfg = {**cfg, "SUM_IN_DOWN": True}
-    fused = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"], fused_cfg)  # noqa: E731
-    row["op_sum_in_down_us"] = time_graph_us(fused, smoke)
+    """The op with the top-k sum in the down kernel's epilogue (`SUM_IN_DOWN`, `_sum_finished_tokens`), whether it
+    gives exactly the op's values with the Triton top-k sum after the GEMMs, and (where the op sorts) both with the
+    atomic sort, alone and with the sum in the down kernel."""
+    def op(sum_in_down):
+        return lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"],
+                                        {**cfg, "SUM_IN_DOWN": sum_in_down})  # fmt: skip
+
+    row["op_sum_in_down_us"] = time_graph_us(op(True), smoke)
     with wired_topk_sum(topk_sum_triton):
-        unfused = paged_moe_triton(hidden, pool, table, ids, weights, shape["F"], {**cfg, "SUM_IN_DOWN": False})
-    row["sum_in_down_equal"] = bool(torch.equal(fused(), unfused))
+        unfused = op(False)()
+        row["sum_in_down_equal"] = bool(torch.equal(op(True)(), unfused))
+        if row["align_us"]:
+            with atomic_sort():
+                row["op_atomic_sort_us"] = time_graph_us(op(False), smoke)
+                row["op_atomic_sort_sum_in_down_us"] = time_graph_us(op(True), smoke)
+                row["atomic_sort_equal"] = bool(torch.equal(op(True)(), unfused) and torch.equal(op(False)(), unfused))
 
 
 def time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s):
@@ -234,6 +255,9 @@ def print_row(r, header=False):
         paths += f" | op, {LAYER_CALLS} layers a graph:{r['op_layers_us']:.1f}{of_copy}"
     if "op_sum_in_down_us" in r:
         paths += f" | op, sum in down:{r['op_sum_in_down_us']:.1f}{'' if r['sum_in_down_equal'] else ' (DIFFERS)'}"
+    if "op_atomic_sort_us" in r:
+        paths += (f" | op, atomic sort / and sum in down:{r['op_atomic_sort_us']:.1f} /"
+                  f" {r['op_atomic_sort_sum_in_down_us']:.1f}{'' if r['atomic_sort_equal'] else ' (DIFFERS)'}")
     if "pair_block_gemms_us" in r:
         paths += f" | pair-block gemms:{r['pair_block_gemms_us']:.1f}"
         paths += f" | op sorted / pair blocks:{r['op_pair_blocks_false_us']:.1f} / {r['op_pair_blocks_true_us']:.1f}"
