@@ -19,11 +19,12 @@ remaining output (SGLang's `new_token_ratio` admission, a fixed ratio here): few
 import argparse
 import json
 import statistics
+from collections import deque
 
 from rimuru.benchmark import read_stream
 from rimuru.kv_cache import KVCacheManager
 from rimuru.memory import KV
-from rimuru.request import Request, RequestStatus
+from rimuru.request import Request
 from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
 from rimuru.serving.cli import _with_rate
@@ -55,10 +56,12 @@ class CountedPages:
 
 
 class ReservingScheduler(Scheduler):
-    """Admits while the free pages, less the new request's own growth to `ratio` x its remaining output, still
-    cover every running request's growth to `ratio` x its remaining output."""
+    """Admits (in queue order, as the engine does) only while the free pages cover the running requests' and the
+    admitted ones' growth to `ratio` x their remaining output."""
 
-    ratio = 0.5
+    def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager, ratio: float):
+        super().__init__(config, kv_cache)
+        self.ratio = ratio
 
     def _pages_to_grow(self, request: Request) -> int:
         remaining = request.max_tokens - len(request.output_token_ids)
@@ -66,29 +69,24 @@ class ReservingScheduler(Scheduler):
         return self.kv_cache.num_new_pages(request.request_id, target)
 
     def _schedule_waiting(self, batch, budget: int) -> None:
-        reserve = sum(self._pages_to_grow(r) for r in self.running)
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = self.waiting[0]
-            own = self._pages_to_grow(request)
-            if self.running and self.kv_cache.allocator.num_free_small_pages() - own < reserve:
-                return
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if not self.kv_cache.allocate(request.request_id, num_new):
-                return
-            self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
-            self.running.append(request)
-            batch.add(request, num_new)
-            budget -= num_new
-            reserve += self._pages_to_grow(request)
+        room = self.kv_cache.allocator.num_free_small_pages() - sum(map(self._pages_to_grow, self.running))
+        admissible = 0
+        for request in self.waiting:
+            room -= self._pages_to_grow(request)
+            if room < 0 and (self.running or admissible):
+                break
+            admissible += 1
+        queue = list(self.waiting)
+        self.waiting = deque(queue[:admissible])  # the engine's own admission over the admissible ones
+        super()._schedule_waiting(batch, budget)
+        self.waiting.extend(queue[admissible:])
 
 
 def simulate(stream: list[dict], kv_pages: int, args, reserve: float | None = None) -> dict:
     """Run the stream to the end over `kv_pages` pages; throughput, TTFT and preemptions."""
     kv = KVCacheManager(CountedPages(kv_pages), 1, PAGE_TOKENS, max_slots=args.max_num_seqs * 2, max_model_len=1 << 16)
     config = SchedulerConfig(args.max_num_seqs, args.max_num_batched_tokens)
-    scheduler = Scheduler(config, kv) if reserve is None else type("R", (ReservingScheduler,), {"ratio": reserve})(
-        config, kv)
+    scheduler = Scheduler(config, kv) if reserve is None else ReservingScheduler(config, kv, reserve)
     now, arrived, first_token, pending, generated = 0.0, {}, {}, list(stream), 0
     while pending or scheduler.has_unfinished():
         while pending and pending[0]["arrival"] <= now:
