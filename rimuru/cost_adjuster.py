@@ -205,7 +205,10 @@ class CostAdjuster:
         if not tokens or not on_host.any():
             return []
         movable = ~self._recently_moved()  # [L, E]
-        shares, hottest = self.popularity.matrix(), self.popularity.order_matrix()  # [L, E] each
+        shares = self.popularity.matrix()  # [L, E]
+        if not _some_layer_may_swap(shares, on_host & movable, ~on_host & movable, t.swap_margin):
+            return []  # most rounds: what `plan_swaps` would find, without the walks
+        hottest = self.popularity.order_matrix()  # [L, E]
         layers = [layer for layer, row in zip(self.popularity.layer_ids, on_host.any(dim=1).tolist()) if row]
         walks = torch.stack([hottest, hottest.flip(1)])  # [2, L, E]: host experts hottest first, resident coldest
         wanted = torch.stack([on_host & movable, ~on_host & movable])
@@ -349,6 +352,15 @@ class CostAdjuster:
             return 1.0
         low, high = CALIBRATION_RANGE
         return min(high, max(low, self.measured_copy_s / self.predicted_copy_s))
+
+
+def _some_layer_may_swap(shares: torch.Tensor, host: torch.Tensor, resident: torch.Tensor, margin: float) -> bool:
+    """Whether some layer's hottest `host` expert has a share above `margin` x its coldest `resident` one's ([L, E]
+    each): `plan_swaps` pairs those two first and stops at the first pair below the margin, so without one it finds
+    nothing."""
+    hottest_host = torch.where(host, shares, -math.inf).amax(dim=1)  # [L]
+    coldest_resident = torch.where(resident, shares, math.inf).amin(dim=1)  # [L]
+    return bool((hottest_host > margin * coldest_resident).any())
 
 
 def _ends(walks: torch.Tensor, shares: torch.Tensor, wanted: torch.Tensor, count: int, layer_ids: list[int],
