@@ -1,0 +1,86 @@
+"""The MoE kernels compiled for an H100/H200 (sm_90) on the CPU: Triton's NVIDIA backend and the ptxas its wheel
+ships need no GPU, so a kernel that only the GPU compiles (the interpreter runs anything) fails here, in CI, instead
+of in a device session. Checks the memory operations that the correctness of the atomic kernels rests on."""
+
+import re
+import shutil
+from pathlib import Path
+
+import pytest
+import triton
+
+try:
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+except ImportError:  # pragma: no cover - an older Triton lays these out elsewhere
+    GPUTarget = ASTSource = None
+
+from rimuru.ops.moe_align import _atomic_count_kernel, _atomic_scatter_kernel
+from rimuru.ops.paged_moe import _down_kernel, _gate_up_kernel
+
+INT_POINTERS = {"p_page_table", "p_sorted_ids", "p_block_expert", "p_num_padded", "p_arrivals", "p_counts",
+                "p_cursor"}  # fmt: skip
+
+
+def ptxas_available() -> bool:
+    if GPUTarget is None:
+        return False
+    bundled = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+    return bundled.exists() or shutil.which("ptxas") is not None
+
+
+pytestmark = pytest.mark.skipif(not ptxas_available(), reason="no Triton NVIDIA backend with ptxas here")
+
+
+def compile_sm90(kernel, constexprs: dict, num_warps: int, tmp_path, monkeypatch, **options):
+    """PTX of `kernel` for sm_90 with these constexprs (pointers typed by name, other arguments i32)."""
+    monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a fresh compile, not a cached one
+    signature = {}
+    for name in kernel.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name == "p_ids":
+            signature[name] = "*i64"
+        elif name == "p_weights":
+            signature[name] = "*fp32"
+        elif name.startswith("p_"):
+            signature[name] = "*i32" if name in INT_POINTERS else "*bf16"
+        else:
+            signature[name] = "i32"
+    source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, **options})
+    assert compiled.asm["cubin"]
+    return compiled.asm["ptx"]
+
+
+def memory_ops(ptx: str) -> set[str]:
+    return {m.group(0) for m in re.finditer(r"\b(?:atom|red)\.[\w.]+", ptx)}
+
+
+MOE_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PAIR_BLOCKS": False, "GROUP_M": 8}
+
+
+@pytest.mark.parametrize("read_host", [False, True])
+def test_down_kernel_with_the_sum_compiles_with_ordered_arrivals(read_host, tmp_path, monkeypatch):
+    """`SUM_IN_DOWN`: the arrivals are acquire-release atomics at GPU scope between CTA barriers, and the rows read
+    back bypass L1 (`.cg`); without it the kernel has no atomics at all."""
+    consts = {**MOE_TILES, "READ_HOST": read_host}
+    fused = compile_sm90(_down_kernel, {**consts, "SUM_IN_DOWN": True}, 8, tmp_path, monkeypatch, num_stages=3)
+    assert memory_ops(fused) == {"atom.global.gpu.acq_rel.add.u32"}
+    assert "ld.global.cg" in fused and "bar.sync" in fused
+    plain = compile_sm90(_down_kernel, {**consts, "SUM_IN_DOWN": False}, 8, tmp_path, monkeypatch, num_stages=3)
+    assert memory_ops(plain) == set()
+
+
+def test_gate_up_kernel_compiles(tmp_path, monkeypatch):
+    compile_sm90(_gate_up_kernel, {**MOE_TILES, "READ_HOST": True}, 8, tmp_path, monkeypatch, num_stages=4)
+
+
+def test_atomic_sort_kernels_compile_with_their_orderings(tmp_path, monkeypatch):
+    """The counts are relaxed reductions, the ticket and the last program's reads of the counts acquire-release;
+    the scatter's row claims relaxed atomics."""
+    count = compile_sm90(_atomic_count_kernel, {"BLOCK_M": 128, "EXPERTS_PAD": 128, "TILE": 256, "BLOCKS_TILE": 32},
+                         4, tmp_path, monkeypatch)  # fmt: skip
+    assert memory_ops(count) == {"red.global.gpu.relaxed.add.u32", "atom.global.gpu.acq_rel.add.u32"}
+    scatter = compile_sm90(_atomic_scatter_kernel, {"TILE": 256}, 4, tmp_path, monkeypatch)
+    assert memory_ops(scatter) == {"atom.global.gpu.relaxed.add.u32"}
