@@ -11,7 +11,8 @@ cumsum, scatter) serves CPU. Every path gives the same layout, which the interpr
 needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair (so do a few tokens where the
 tuned config says `PAIR_BLOCKS`). The atomic sort (`_atomic_count_and_scatter`, from ATOMIC_SORT_FROM_PAIRS pairs)
 counts and places each pair with an atomic instead of one-hot tiles, in two launches and a memset: its runs hold
-the same pairs in any order (the other paths keep each run in pair order), which changes no output. Does not own the GEMMs (`rimuru.ops.paged_moe`).
+the same pairs in any order (the other paths keep each run in pair order), which changes no output. Does not own
+the GEMMs (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
 

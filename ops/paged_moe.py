@@ -6,8 +6,9 @@ concatenated) and stores silu(gate) * up. `_down_kernel` multiplies that by the 
 router weight in fp32 and writes one row per (token, k); the sum over k is `rimuru.ops.topk_sum` (fixed order, no
 atomics), or, where a tuned config says `SUM_IN_DOWN`, the down kernel's own epilogue: the program that stores the
 last of a token's K rows (an atomic count per token and N tile) reads the K rows back from L2 and sums them in k
-order, the same arithmetic and so the same values, without a kernel launch and a pass over [T * K, D] after. Token sorting lives in `rimuru.ops.moe_align`; a single token skips it (`gemm_layout`: one M block a
-pair, its expert read from the top-k ids). The reference is `rimuru.ops.reference.paged_moe`.
+order, the same arithmetic and so the same values, without a kernel launch and a pass over [T * K, D] after.
+Token sorting lives in `rimuru.ops.moe_align`; a single token skips it (`gemm_layout`: one M block a pair, its
+expert read from the top-k ids). The reference is `rimuru.ops.reference.paged_moe`.
 
 Addresses inside the expert view (row stride `stride_page` >= F * D, so padded pools work):
 

@@ -111,7 +111,8 @@ def simulate(stream: list[dict], kv_pages: int, args, reserve: float | None = No
             if len(request.output_token_ids) >= request.max_tokens:
                 scheduler.finish(request, "length")
     ttft = [first_token[i] - arrived[i] for i in first_token]
-    return {"kv_pages": kv_pages, "reserve": reserve, "output_tokens": generated, "output_tok_s": round(generated / now),
+    return {"kv_pages": kv_pages, "reserve": reserve, "output_tokens": generated,
+            "output_tok_s": round(generated / now),
             "wall_s": round(now, 1), "ttft_mean_s": round(statistics.mean(ttft), 2),
             "ttft_median_s": round(statistics.median(ttft), 2), "preemptions": scheduler.num_preemptions}
 

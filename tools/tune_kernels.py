@@ -7,10 +7,10 @@ kernels share it) and, for each, times the gate/up and the down kernel separatel
 (BLOCK_N, BLOCK_K, num_warps, num_stages, and at large M the program order GROUP_M); the best pair is stored, the
 down kernel's tiles as DOWN_* keys. Up to 16 tokens the whole op is then timed sorted and one M block a pair, and
 `PAIR_BLOCKS` stores which won; with top-k above 1, `SUM_IN_DOWN` stores whether the sum in the down kernel beat
-the sum kernel after it. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left when the budget
-runs out is simply not stored (the lookup then falls back to the nearest tuned M, then to the heuristic). `--m`
-retunes only the buckets named (the others stay as the table has them); a bucket's stored tiles compete with the
-search space, so a retune never stores anything slower than what it measured for them.
+the sum kernel after it. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool
+pages. A bucket left when the budget runs out is simply not stored (the lookup then falls back to the nearest tuned
+M, then to the heuristic). `--m` retunes only the buckets named (the others stay as the table has them); a bucket's
+stored tiles compete with the search space, so a retune never stores anything slower than what it measured for them.
 """
 
 import argparse

@@ -124,8 +124,9 @@ def test_sum_in_down_gives_the_top_k_sums_values(num_tokens, num_experts, top_k,
     host = None
     if layout in ("absent", "host"):
         pages = case.page_table.long()
-        host = tuple(case.expert_view[pages[:, m]].view(num_experts, *shape).clone()
-                     for m, shape in enumerate([(40, 72), (40, 72), (72, 40)])) if layout == "host" else None  # fmt: skip
+        if layout == "host":
+            host = tuple(case.expert_view[pages[:, m]].view(num_experts, *shape).clone()
+                         for m, shape in enumerate([(40, 72), (40, 72), (72, 40)]))  # fmt: skip
         case.page_table[torch.tensor([1, 6])] = -1
     cfg = {**SMALL, "PAIR_BLOCKS": layout == "pairs"}
     expected = paged_moe_triton(*case.args(), config=cfg, host=host)
