@@ -9,10 +9,10 @@ ONE_PROGRAM_CHUNKS CHUNKs one launch of one program does all of it (6.5-10.6 us 
 the torch path's ~25 small launches, eager and host bound; docs/benchmarks/kernels.md). The torch path (argsort,
 cumsum, scatter) serves CPU. Every path gives the same layout, which the interpreter tests check. A single token
 needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair (so do a few tokens where the
-tuned config says `PAIR_BLOCKS`). The atomic sort (`_atomic_count_and_scatter`, from ATOMIC_SORT_FROM_PAIRS pairs)
-counts and places each pair with an atomic instead of one-hot tiles, in two launches and a memset: its runs hold
-the same pairs in any order (the other paths keep each run in pair order), which changes no output. Does not own
-the GEMMs (`rimuru.ops.paged_moe`).
+tuned config says `PAIR_BLOCKS`). The atomic sort (`_atomic_count_and_scatter`, where a tuned config says
+`ATOMIC_SORT`) counts and places each pair with an atomic instead of one-hot tiles, in two launches and a memset:
+its runs hold the same pairs in any order (the other paths keep each run in pair order), which changes no output.
+Does not own the GEMMs (`rimuru.ops.paged_moe`).
 
 Layout for BLOCK_M = 4, experts 0 and 2 routed (flat ids f = t * K + k; `_` is the pad id T * K):
 
@@ -43,10 +43,7 @@ MAX_SORT_PROGRAMS = 128
 # at 32 x 64 and 128 x 64 (Qwen1.5) it lost by 2.4 us
 SCAN_ABOVE_ENTRIES = 128 * 64
 SCAN_ENTRIES = 128 * 128  # the scan's tile: the whole table of MAX_SORT_PROGRAMS x 128 experts in one load
-# the atomic sort (`_atomic_count_and_scatter`): pairs a program takes, and a tile of them; from this many pairs up
-# the op takes it (None: never, until the H200 has timed it against the count-and-scatter sort: `breakdown`)
-ATOMIC_PAIRS_EACH, ATOMIC_TILE = 256, 256
-ATOMIC_SORT_FROM_PAIRS: int | None = None
+ATOMIC_PAIRS_EACH, ATOMIC_TILE = 256, 256  # the atomic sort (`_atomic_count_and_scatter`): a program's pairs, a tile
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -308,11 +305,11 @@ def sort_chunks(num_pairs: int, tile: int, max_programs: int = MAX_SORT_PROGRAMS
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None,
                         chunk: int | None = None, scan: bool | None = None, max_programs: int = MAX_SORT_PROGRAMS,
-                        atomic: bool | None = None):  # fmt: skip
+                        atomic: bool = False):  # fmt: skip
     """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS CHUNKs of pairs, else count then scatter
     (at most `max_programs` programs, each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the
-    counts between the two past SCAN_ABOVE_ENTRIES (`scans_counts`); from ATOMIC_SORT_FROM_PAIRS pairs the atomic
-    sort, whose runs hold their pairs in any order. `one_program`, `scan` and `atomic` force a path."""
+    counts between the two past SCAN_ABOVE_ENTRIES (`scans_counts`); with `atomic` the atomic sort, whose runs hold
+    their pairs in any order. `one_program` and `scan` force a path."""
     num_pairs = topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
     out = (torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device),  # sorted_ids
@@ -320,8 +317,6 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
            torch.empty(1, dtype=torch.int32, device=topk_ids.device))  # num_padded
     ids = topk_ids.contiguous()
     use_one_program = triton.cdiv(num_pairs, CHUNK) <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
-    if atomic is None:
-        atomic = ATOMIC_SORT_FROM_PAIRS is not None and num_pairs >= ATOMIC_SORT_FROM_PAIRS and one_program is None
     if atomic:
         _atomic_count_and_scatter(ids, out, num_experts, block_m)
     elif use_one_program:
@@ -361,10 +356,11 @@ def _count_and_scatter(ids, out, num_experts: int, block_m: int, tile: int, scan
                                        TILE=tile, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8)
 
 
-def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int):
-    """(sorted_ids [R], block_expert [R / BLOCK_M], num_padded [1]) for `topk_ids` [T, K]; no host sync."""
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, atomic: bool = False):
+    """(sorted_ids [R], block_expert [R / BLOCK_M], num_padded [1]) for `topk_ids` [T, K]; no host sync. `atomic`:
+    the atomic sort on CUDA (runs in any order; the torch path keeps pair order)."""
     if topk_ids.is_cuda and topk_ids.numel() > 0:
-        return align_tokens_triton(topk_ids, num_experts, block_m)
+        return align_tokens_triton(topk_ids, num_experts, block_m, atomic=atomic)
     return align_tokens_torch(topk_ids, num_experts, block_m)
 
 
@@ -380,14 +376,15 @@ def uses_pair_blocks(num_tokens: int, tuned: bool | None = None) -> bool:
     return num_tokens == 1 if tuned is None else tuned
 
 
-def gemm_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int, tuned_pairs: bool | None = None):
+def gemm_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int, tuned_pairs: bool | None = None,
+                atomic_sort: bool = False):  # fmt: skip
     """The M blocks the GEMMs run: `pair_blocks` for one token, whose top-k experts are distinct (the sort took
     15.5 us of Qwen3's 50.7 us op at one token on the H200 and bought nothing), or where a tuned config says so
     (`PAIR_BLOCKS`: a few tokens, whose experts seldom repeat; an expert two pairs share is read twice), else
-    `align_tokens`."""
+    `align_tokens` (the atomic sort where a tuned config says `ATOMIC_SORT`)."""
     if uses_pair_blocks(topk_ids.shape[0], tuned_pairs):
         return pair_blocks(topk_ids)
-    return align_tokens(topk_ids, num_experts, block_m)
+    return align_tokens(topk_ids, num_experts, block_m, atomic_sort)
 
 
 def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):

@@ -279,7 +279,8 @@ def paged_moe_triton(
     assert expert_view.stride(1) == 1 and hidden.stride(1) == 1, "pages and hidden rows must be contiguous"
     cfg = config or moe_config(num_tokens, num_experts, num_features, hidden_size, top_k, hidden.device,
                                hidden.element_size())  # fmt: skip
-    sorted_ids, block_expert, num_padded = gemm_layout(topk_ids, num_experts, cfg["BLOCK_M"], cfg.get("PAIR_BLOCKS"))
+    sorted_ids, block_expert, num_padded = gemm_layout(topk_ids, num_experts, cfg["BLOCK_M"], cfg.get("PAIR_BLOCKS"),
+                                                       cfg.get("ATOMIC_SORT", False))  # fmt: skip
     # NOTE: no-ops (no launch) for what the model passes, fp32 weights from torch.topk and the int32 page table
     weights = topk_weights.to(torch.float32).contiguous()
     sum_in_down = top_k > 1 and cfg.get("SUM_IN_DOWN", False)  # tuned per M: `_sum_finished_tokens`

@@ -181,35 +181,22 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     return row
 
 
-@contextlib.contextmanager
-def atomic_sort():
-    """The op's sort as the atomic one (`ATOMIC_SORT_FROM_PAIRS` 1), whatever the default."""
-    moe_align = importlib.import_module("rimuru.ops.moe_align")
-    wired = moe_align.ATOMIC_SORT_FROM_PAIRS
-    moe_align.ATOMIC_SORT_FROM_PAIRS = 1
-    try:
-        yield
-    finally:
-        moe_align.ATOMIC_SORT_FROM_PAIRS = wired
-
-
 def time_sum_in_down(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
     """The op with the top-k sum in the down kernel's epilogue (`SUM_IN_DOWN`, `_sum_finished_tokens`), whether it
     gives exactly the op's values with the Triton top-k sum after the GEMMs, and (where the op sorts) both with the
     atomic sort, alone and with the sum in the down kernel."""
-    def op(sum_in_down):
-        return lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"],
-                                        {**cfg, "SUM_IN_DOWN": sum_in_down})  # fmt: skip
+    def op(sum_in_down, atomic_sort=False):
+        cfg_now = {**cfg, "SUM_IN_DOWN": sum_in_down, "ATOMIC_SORT": atomic_sort}
+        return lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"], cfg_now)
 
     row["op_sum_in_down_us"] = time_graph_us(op(True), smoke)
     with wired_topk_sum(topk_sum_triton):
         unfused = op(False)()
         row["sum_in_down_equal"] = bool(torch.equal(op(True)(), unfused))
         if row["align_us"]:
-            with atomic_sort():
-                row["op_atomic_sort_us"] = time_graph_us(op(False), smoke)
-                row["op_atomic_sort_sum_in_down_us"] = time_graph_us(op(True), smoke)
-                row["atomic_sort_equal"] = bool(torch.equal(op(True)(), unfused) and torch.equal(op(False)(), unfused))
+            row["op_atomic_sort_us"] = time_graph_us(op(False, True), smoke)
+            row["op_atomic_sort_sum_in_down_us"] = time_graph_us(op(True, True), smoke)
+            row["atomic_sort_equal"] = all(torch.equal(op(s, True)(), unfused) for s in (False, True))
 
 
 def time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s):

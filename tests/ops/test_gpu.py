@@ -69,13 +69,18 @@ def test_sum_in_down_equals_the_top_k_sum_kernel_bf16(num_tokens, extra):
     case = moe_case(num_tokens, 128, 8, 768, 2048, torch.bfloat16, "cuda", seed)
     cfg = {**moe_config(num_tokens, 128, 768, 2048, 8, "cuda"), **extra}
     expected = paged_moe_triton(*case.args(), config=cfg)
-    fused = {**cfg, "SUM_IN_DOWN": True}
+    assert_equal_eager_and_replayed(lambda: paged_moe_triton(*case.args(), config={**cfg, "SUM_IN_DOWN": True}),
+                                    expected)  # fmt: skip
+
+
+def assert_equal_eager_and_replayed(op, expected):
+    """`op()` gives exactly `expected` called eagerly, and replayed three times from a CUDA graph into an output
+    poisoned before each replay (what the call zeroes or counts inside the graph must start afresh each time)."""
     poison_allocator()
-    assert torch.equal(paged_moe_triton(*case.args(), config=fused), expected)
-    graph, out = torch.cuda.CUDAGraph(), None
-    paged_moe_triton(*case.args(), config=fused)  # compiled outside the capture
+    assert torch.equal(op(), expected)
+    graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_moe_triton(*case.args(), config=fused)
+        out = op()
     for _ in range(3):
         out.fill_(float("nan"))
         graph.replay()
@@ -169,33 +174,23 @@ def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block
     sorted_ids, block_expert, num_padded = moe_align.align_tokens_torch(topk_ids, num_experts, block_m)
     tri = moe_align.align_tokens_triton(topk_ids, num_experts, block_m, **path)
     assert torch.equal(tri[1], block_expert) and torch.equal(tri[2], num_padded)
-    from_pairs = moe_align.ATOMIC_SORT_FROM_PAIRS
-    if path.get("atomic") or (not path and from_pairs is not None and topk_ids.numel() >= from_pairs):
-        assert torch.equal(runs_in_pair_order(tri[0], block_expert, block_m), sorted_ids)
-    else:
-        assert torch.equal(tri[0], sorted_ids)
+    in_pair_order = runs_in_pair_order(tri[0], block_expert, block_m) if path.get("atomic") else tri[0]
+    assert torch.equal(in_pair_order, sorted_ids)
 
 
 @pytest.mark.parametrize("num_tokens", [1024, 4096])
-def test_the_op_with_the_atomic_sort_gives_the_same_values_bf16(num_tokens, monkeypatch):
-    """The atomic sort's runs in another order change no output: the op equal, exactly, to the op over the
-    count-and-scatter sort (Qwen3-30B-A3B's expert shape), eagerly and replayed from a graph."""
-    from rimuru.ops import moe_align
+def test_the_op_with_the_atomic_sort_gives_the_same_values_bf16(num_tokens):
+    """The atomic sort's runs in another order change no output: the op with `ATOMIC_SORT` equal, exactly, to the
+    op over the count-and-scatter sort (Qwen3-30B-A3B's expert shape), eagerly and replayed from a graph."""
+    from rimuru.ops.configs import moe_config
     from rimuru.ops.paged_moe import paged_moe_triton
 
     seed = int(torch.randint(0, 1 << 30, ()))
     case = moe_case(num_tokens, 128, 8, 768, 2048, torch.bfloat16, "cuda", seed)
-    expected = paged_moe_triton(*case.args())
-    monkeypatch.setattr(moe_align, "ATOMIC_SORT_FROM_PAIRS", 1)
-    assert torch.equal(paged_moe_triton(*case.args()), expected)
-    graph = torch.cuda.CUDAGraph()
-    paged_moe_triton(*case.args())
-    with torch.cuda.graph(graph):
-        out = paged_moe_triton(*case.args())
-    for _ in range(3):
-        out.fill_(float("nan"))
-        graph.replay()
-        assert torch.equal(out, expected)
+    cfg = moe_config(num_tokens, 128, 768, 2048, 8, "cuda")
+    expected = paged_moe_triton(*case.args(), config={**cfg, "ATOMIC_SORT": False})
+    assert_equal_eager_and_replayed(lambda: paged_moe_triton(*case.args(), config={**cfg, "ATOMIC_SORT": True}),
+                                    expected)  # fmt: skip
 
 
 @pytest.mark.parametrize("num_tokens,top_k,hidden_size", [(1, 8, 2048), (4096, 8, 2048), (777, 4, 2048), (9, 6, 136)])
