@@ -6,7 +6,9 @@ Pure functions of measured inputs decide the counts (tested on hand-computed cas
   n experts frees the KV pages of n x `requests_per_expert` more running requests, and makes the step longer by the
   link time it is newly exposed to. Copies hidden under `ratio` x the step's compute (prefetched on a side stream)
   cost nothing; direct reads hide nothing. So an eviction is taken while (running + n g) / (step + delta_n) stays >=
-  running / step, the link time weighed (1 + `eviction_band`) times: a band against the one-way ratchet of noise.
+  running / step (the link time weighed (1 + `eviction_band`) times). Evictions are one-way while requests wait, so
+  the rule evicts only as far as a majority of the last `eviction_votes` refreshes found profitable: the noise
+  of one refresh does not ratchet the split past the break-even.
 - `plan_cost_adjustment`: short of pages -> evict what is needed, capped by the profitable count unless forced
   (a TTFT target missed, or nothing else can free pages); not short and free pages above the threshold for
   `grow_after_rounds` rounds in a row -> add back; otherwise nothing. There is no precautionary eviction.
@@ -31,6 +33,7 @@ more request adds its KV reads, a few percent of a step) and the higher touch pr
 offloaded once the batch has grown. The next refresh measures both: it sees the longer step.
 """
 
+import collections
 import itertools
 import math
 import time
@@ -57,10 +60,14 @@ class CostThresholds:
     swap_margin: float = 2.0  # a host expert replaces its layer's coldest resident one once its share is this x larger
     max_swaps_per_round: int = 2  # each swap copies one expert in
     swap_min_touch_gain: float | None = None  # host touches a step a swap must save; None: 1 / readd_after_rounds
-    # an eviction's link time is weighed (1 + this) times against the requests it admits. Evictions are one-way
-    # while requests wait, so noise in the estimates ratchets the split toward over-eviction; near the best split
-    # throughput is flat, so refusing the near-even evictions costs little (paper-scenario.md, skew 0.5)
-    eviction_band: float = 0.5
+    # an eviction's link time is weighed (1 + this) times against the requests it admits. 0: evict up to the
+    # break-even. Near it throughput is flat and the pages still admit requests sooner (mean TTFT): a band of 0.5
+    # refused those and left the cost rule's TTFT 9-35% above the paper rule's at skew 0.5 (paper-scenario.md)
+    eviction_band: float = 0.0
+    # evictions are one-way while requests wait, so noise in the estimates would ratchet the split past the
+    # break-even: a refresh votes for a host count (the experts on the host + its profitable evictions) and the
+    # rule evicts only up to the lower median of the last this many votes (a majority, in time)
+    eviction_votes: int = 8
 
 
 # measured / predicted link time, as far as it is trusted. Never below 1: the one ratio is set by the warmer experts
@@ -149,6 +156,7 @@ class CostAdjuster:
         self.estimates: dict[str, float] = {}
         self.cost.observe_copies(*store.copier.take_timings())  # start-up placement: the first bandwidth sample
         self._affordable = 0
+        self._votes: collections.deque[float] = collections.deque(maxlen=thresholds.eviction_votes)
         self._all_nominees_passed = False  # the last refresh stopped at MAX_NOMINEES, not at an unprofitable one
         self._leaving: list[tuple[int, int]] = []  # this round's evictions and swaps out, applied after the pass
         self.refresh_due = False  # `observe` asked for a refresh that `refresh_if_due` has not run yet
@@ -296,9 +304,18 @@ class CostAdjuster:
         costs = self._nominee_costs(on_host, scale)
         link = itertools.accumulate(costs, initial=scale * predicted)
         exposed = (exposed_seconds(seconds, hidden) for seconds in link)
-        self._affordable = profitable_evictions(c.compute_s, c.running, gained, exposed, t.eviction_band)
-        self._all_nominees_passed = self._affordable == len(costs) == MAX_NOMINEES
+        profitable = profitable_evictions(c.compute_s, c.running, gained, exposed, t.eviction_band)
+        self._all_nominees_passed = profitable == len(costs) == MAX_NOMINEES
+        self._affordable = self._vote(int(on_host.sum()), profitable, len(costs))
         self.estimates = self._estimates(host_shares, predicted, scale, gained, costs[0] if costs else 0.0)
+
+    def _vote(self, on_host: int, profitable: int, nominees: int) -> int:
+        """Record this refresh's vote (the host count it finds profitable; unbounded when every nominee weighed
+        passed: more may) and return the evictions the recent majority allows: the lower median vote above the
+        experts on the host now, at most the nominees weighed."""
+        self._votes.append(math.inf if self._all_nominees_passed else on_host + profitable)
+        agreed = lower_median(self._votes)
+        return nominees if agreed == math.inf else max(0, min(nominees, int(agreed) - on_host))
 
     def _host_mask_after_round(self) -> torch.Tensor:
         """[L, E] the store's host mask with this round's evictions and swaps out already on the host: a refresh
@@ -352,6 +369,12 @@ class CostAdjuster:
             return 1.0
         low, high = CALIBRATION_RANGE
         return min(high, max(low, self.measured_copy_s / self.predicted_copy_s))
+
+
+def lower_median(values: Iterable[float]) -> float:
+    """The lower of the two middle values (the middle one of an odd count): [3, 0] -> 0, [0, 3, 5] -> 3. Pure."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
 
 
 def _some_layer_may_swap(shares: torch.Tensor, host: torch.Tensor, resident: torch.Tensor, margin: float) -> bool:

@@ -1,6 +1,7 @@
 """The cost-aware adjuster: its rule on hand-computed numbers, hysteresis, online popularity, and the invariant that
 it changes speed, never tokens."""
 
+import math
 from dataclasses import replace
 from types import SimpleNamespace
 
@@ -10,8 +11,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rimuru import LLM
-from rimuru.cost_adjuster import (MAX_NOMINEES, CostAdjuster, CostThresholds, plan_cost_adjustment, plan_swaps,
-                                  profitable_evictions)
+from rimuru.cost_adjuster import (MAX_NOMINEES, CostAdjuster, CostThresholds, lower_median, plan_cost_adjustment,
+                                  plan_swaps, profitable_evictions)
 from rimuru.cost_model import copy_seconds, exposed_seconds, kv_pages_freed, touch_probability
 from rimuru.expert_ranking import ExpertRanking
 from rimuru.popularity import ExpertPopularity
@@ -113,6 +114,31 @@ def test_cost_adjuster_never_bounces_and_slo_overrides():
     adjuster.oldest_wait_s = 6.0  # the oldest waiting request has waited past the 5 s target
     assert adjuster.reclaimable_experts(offloaded) == 2 and len(adjuster.adjust(8, 0, offloaded).evict) == 2
     assert adjuster.adjust(4, 0, offloaded, stalled=True).evict == [(0, 3), (0, 2)]  # nothing else frees pages
+
+
+def test_evictions_need_a_majority_of_recent_refreshes():
+    """Noise near the break-even must not ratchet the split (evictions are one-way while requests wait). A free
+    link makes every nominee profitable, a slow one none; refreshes alternate slow, free, slow, ...: with votes
+    the host count the lower median agrees on stays put, while each refresh alone (`eviction_votes=1`) lets
+    every free one evict. Two free refreshes in three then evict."""
+    num_experts = 40
+
+    def evictions(links: list[float], votes: int) -> int:
+        popularity = ExpertPopularity(ExpertRanking({0: tuple([1 / num_experts] * num_experts)}), num_experts)
+        offloaded = {0: set()}
+        t = CostThresholds(eviction_votes=votes)
+        adjuster = CostAdjuster(popularity, 30, fake_store(offloaded, num_experts=num_experts), top_k=1, thresholds=t)
+        for bandwidth in links:
+            adjuster.cost.pin(bandwidth=bandwidth, compute_s=1e-2, tokens_per_step=1.0, running=10.0,
+                              kv_pages_per_request=3.0)  # fmt: skip
+            adjuster.refresh()
+            offloaded[0] |= {expert for _, expert in adjuster.adjust(6, 0, offloaded).evict}  # 3 experts short
+        return len(offloaded[0])
+
+    alternating = [1.0, 1e15] * 4
+    assert evictions(alternating, votes=1) == 4 * 3 and evictions(alternating, votes=8) == 0
+    assert evictions([1.0, 1e15, 1e15], votes=8) == 3
+    assert lower_median([3, 0]) == 0 and lower_median([0, 3, 5]) == 3 and lower_median([math.inf, 2]) == 2
 
 
 def test_the_ttft_target_reads_the_longest_wait_since_joining_the_queue():
