@@ -231,10 +231,12 @@ shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjus
 }
 
 memory() {  # the activation reserve against measured peaks: resident (decode graphs) and elastic (mixed graphs too)
-  for policy in resident elastic; do
+  # MEMORY_POLICIES="fixed" MEMORY_FLAGS="--offload-per-layer 16" measures others
+  for policy in ${MEMORY_POLICIES:-resident elastic}; do
     echo "-- $policy"
+    # shellcheck disable=SC2086
     timeout 240 python tools/measure_memory.py "$MODEL" "${DUMMY[@]}" --gpu-memory-budget "$BUDGET" \
-      --max-num-batched-tokens 2048 --expert-policy "$policy" --out "$OUT/memory-$policy.json" 2>&1 | tail -6
+      --max-num-batched-tokens 2048 --expert-policy "$policy" ${MEMORY_FLAGS:-} --out "$OUT/memory-$policy.json" 2>&1 | tail -6
   done
 }
 
