@@ -4,11 +4,8 @@ Owns two Triton kernels and their launcher. `_gate_up_kernel` computes, for one 
 tokens and one N tile of the F features, both the gate and the up tile (each from its own page: the two are never
 concatenated) and stores silu(gate) * up. `_down_kernel` multiplies that by the down page, scales each row by its
 router weight in fp32 and writes one row per (token, k); the sum over k is `rimuru.ops.topk_sum` (fixed order, no
-atomics), or, where a tuned config says `SUM_IN_DOWN`, the down kernel's own epilogue: the program that stores the
-last of a token's K rows (an atomic count per token and N tile) reads the K rows back from L2 and sums them in k
-order, the same arithmetic and so the same values, without a kernel launch and a pass over [T * K, D] after.
-Token sorting lives in `rimuru.ops.moe_align`; a single token skips it (`gemm_layout`: one M block a pair, its
-expert read from the top-k ids). The reference is `rimuru.ops.reference.paged_moe`.
+atomics). Token sorting lives in `rimuru.ops.moe_align`; a single token skips it (`gemm_layout`: one M block a
+pair, its expert read from the top-k ids). The reference is `rimuru.ops.reference.paged_moe`.
 
 Addresses inside the expert view (row stride `stride_page` >= F * D, so padded pools work):
 
@@ -124,35 +121,15 @@ def _gate_up_kernel(
     tl.store(p_out, b_act.to(p_act.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
 
 
-@triton.jit
-def _sum_finished_tokens(p_out, p_sum, p_arrivals, b_pair, m_m, o_n, m_n, i_n, num_n_tiles, top_k, stride_out,
-                         stride_sum, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):  # fmt: skip
-    """After this tile's rows are stored: count them in per (token, N tile) arrivals; where this tile brought the
-    last of a token's K rows, read the K rows back (k order, fp32: `topk_sum`'s arithmetic) and write the token's
-    sum. The arrivals count from zero each call; the barrier before them orders every thread's stores of the tile
-    before its release, the one after them its acquire before every thread's loads."""
-    tl.debug_barrier()
-    b_token = b_pair // top_k
-    b_before = tl.atomic_add(p_arrivals + b_token * num_n_tiles + i_n, 1, mask=m_m, sem="acq_rel", scope="gpu")
-    tl.debug_barrier()
-    m_last = (m_m & (b_before == top_k - 1))[:, None] & m_n[None, :]
-    b_sum = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k in range(0, top_k):  # NOTE: always k = 0, 1, .. K-1, as `topk_sum`: the order fixes the rounding
-        p_row = p_out + (b_token * top_k + k)[:, None] * stride_out + o_n[None, :]
-        b_sum += tl.load(p_row, mask=m_last, other=0.0, cache_modifier=".cg").to(tl.float32)
-    tl.store(p_sum + b_token[:, None] * stride_sum + o_n[None, :], b_sum.to(p_sum.dtype.element_ty), mask=m_last)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks", "top_k"])
+@triton.jit(do_not_specialize=["num_pairs", "num_m_blocks"])
 def _down_kernel(
     p_act, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_weights, p_out, p_host_down,
-    p_sum, p_arrivals, num_pairs, num_features, hidden_size, stride_act, stride_page, stride_out, stride_sum,
-    num_m_blocks, top_k,
+    num_pairs, num_features, hidden_size, stride_act, stride_page, stride_out, num_m_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr, SUM_IN_DOWN: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr,
 ):
-    num_n_tiles = tl.cdiv(hidden_size, BLOCK_N)
-    i_m, i_n, live = _program_tile(num_m_blocks, num_n_tiles, p_num_padded, BLOCK_M, PAIR_BLOCKS, GROUP_M)
+    i_m, i_n, live = _program_tile(num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), p_num_padded, BLOCK_M, PAIR_BLOCKS,
+                                   GROUP_M)  # fmt: skip
     if not live:
         return
     i_e, b_pair = _block_rows(i_m, p_sorted_ids, p_block_expert, num_pairs, BLOCK_M, PAIR_BLOCKS)
@@ -173,9 +150,6 @@ def _down_kernel(
         if page_down < 0:  # NOTE: an expert not in the pool adds nothing and is never read (a safety net)
             b_zero = tl.zeros((BLOCK_M, BLOCK_N), dtype=p_out.dtype.element_ty)
             tl.store(p_y, b_zero, mask=m_m[:, None] & m_n[None, :])
-            if SUM_IN_DOWN:
-                _sum_finished_tokens(p_out, p_sum, p_arrivals, b_pair, m_m, o_n, m_n, i_n, num_n_tiles, top_k,
-                                     stride_out, stride_sum, BLOCK_M, BLOCK_N)  # fmt: skip
             return
         p_w = p_experts + page_down * stride_page + o_w
     b_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
@@ -189,9 +163,6 @@ def _down_kernel(
     b_weight = tl.load(p_weights + b_pair, mask=m_m, other=0.0).to(tl.float32)  # router weights in fp32
     b_acc = b_acc * b_weight[:, None]
     tl.store(p_y, b_acc.to(p_out.dtype.element_ty), mask=m_m[:, None] & m_n[None, :])
-    if SUM_IN_DOWN:
-        _sum_finished_tokens(p_out, p_sum, p_arrivals, b_pair, m_m, o_n, m_n, i_n, num_n_tiles, top_k, stride_out,
-                             stride_sum, BLOCK_M, BLOCK_N)  # fmt: skip
 
 
 def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act, top_k, cfg,
@@ -212,28 +183,21 @@ def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, nu
     )
 
 
-def launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, cfg, host=None,
-                summed=None):  # fmt: skip
+def launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, cfg, host=None):
     """out[t * K + k] = w_tk * (act[t * K + k] down_e^T); out [T * K, D]. `DOWN_*` keys override the tiles (and
-    `GROUP_M`, the program order: `_tile_ids`). With `summed` [T, D] the kernel also writes each token's sum over k
-    there (`_sum_finished_tokens`), the same values `topk_sum` gives."""
+    `GROUP_M`, the program order: `_tile_ids`)."""
     tiles = {**cfg, **{key[5:]: v for key, v in cfg.items() if key.startswith("DOWN_")}}
     num_pairs, num_features = act.shape
-    num_m_blocks, num_n_tiles = block_expert.numel(), triton.cdiv(out.shape[1], tiles["BLOCK_N"])
-    grid = (num_m_blocks * num_n_tiles,)
+    num_m_blocks = block_expert.numel()
+    grid = (num_m_blocks * triton.cdiv(out.shape[1], tiles["BLOCK_N"]),)
     host_down = host[2] if host is not None else expert_view
     sorted_ids, num_padded, pair_blocks = _layout_pointers(sorted_ids, block_expert, num_padded)
-    top_k = 1 if summed is None else num_pairs // summed.shape[0]
-    arrivals = out if summed is None else torch.zeros(summed.shape[0], num_n_tiles, dtype=torch.int32,
-                                                      device=out.device)  # fmt: skip
     _down_kernel[grid](
         act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, host_down,
-        out if summed is None else summed, arrivals,
-        num_pairs, num_features, out.shape[1], act.stride(0), expert_view.stride(0), out.stride(0),
-        out.stride(0) if summed is None else summed.stride(0), num_m_blocks, top_k,
+        num_pairs, num_features, out.shape[1], act.stride(0), expert_view.stride(0), out.stride(0), num_m_blocks,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], READ_HOST=host is not None,
-        PAIR_BLOCKS=pair_blocks, GROUP_M=tiles.get("GROUP_M", 0), SUM_IN_DOWN=summed is not None,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        PAIR_BLOCKS=pair_blocks, GROUP_M=tiles.get("GROUP_M", 0), num_warps=tiles["num_warps"],
+        num_stages=tiles["num_stages"],
     )
 
 
@@ -245,19 +209,16 @@ def _layout_pointers(sorted_ids, block_expert, num_padded):
 
 
 def moe_gemms(hidden, expert_view, page_table, topk_weights, sorted_ids, block_expert, num_padded, num_features,
-              cfg, host=None, sum_in_down: bool = False):  # fmt: skip
-    """Both GEMMs over already sorted pairs: one weighted output row per (token, k), [T * K, D]; with
-    `sum_in_down` the down kernel also sums each token's rows and the result is [T, D]."""
+              cfg, host=None):  # fmt: skip
+    """Both GEMMs over already sorted pairs: one weighted output row per (token, k), [T * K, D]."""
     num_tokens, hidden_size = hidden.shape
     num_pairs = topk_weights.numel()
     act = torch.empty(num_pairs, num_features, dtype=hidden.dtype, device=hidden.device)  # [T * K, F]
     out = torch.empty(num_pairs, hidden_size, dtype=hidden.dtype, device=hidden.device)  # [T * K, D]
-    summed = torch.empty(num_tokens, hidden_size, dtype=hidden.dtype, device=hidden.device) if sum_in_down else None
     launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, num_padded, act,
                    num_pairs // num_tokens, cfg, host)  # fmt: skip
-    launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, topk_weights, out, cfg, host,
-                summed)  # fmt: skip
-    return out if summed is None else summed
+    launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padded, topk_weights, out, cfg, host)
+    return out
 
 
 def paged_moe_triton(
@@ -283,10 +244,9 @@ def paged_moe_triton(
                                                        cfg.get("ATOMIC_SORT", False))  # fmt: skip
     # NOTE: no-ops (no launch) for what the model passes, fp32 weights from torch.topk and the int32 page table
     weights = topk_weights.to(torch.float32).contiguous()
-    sum_in_down = top_k > 1 and cfg.get("SUM_IN_DOWN", False)  # tuned per M: `_sum_finished_tokens`
     out = moe_gemms(hidden, expert_view, page_table.to(torch.int32).contiguous(), weights, sorted_ids,
-                    block_expert, num_padded, num_features, cfg, host, sum_in_down)  # [T * K, D], or [T, D] summed
-    if top_k == 1 or sum_in_down:
+                    block_expert, num_padded, num_features, cfg, host)  # [T * K, D]
+    if top_k == 1:
         return out
     return topk_sum(out.view(num_tokens, top_k, hidden_size))  # [T, D], fp32 accumulation in k order
 

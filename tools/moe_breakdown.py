@@ -13,9 +13,8 @@ Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs)
                 (1 < M <= 8): both over one block a pair, unsorted (repeated experts read twice, or from L2)
   sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
   op            the whole op as wired by default; op_torch_sum and op_triton_sum: with each top-k sum
-  op_sum_in_down  the op with the top-k sum in the down kernel (`SUM_IN_DOWN`); sum_in_down_equal: exactly the
-                values of the op with the Triton top-k sum; op_atomic_sort(_sum_in_down): with the atomic sort too
-                (where the op sorts), atomic_sort_equal: the same values again
+  op_atomic_sort  (where the op sorts) the op with the atomic sort (`ATOMIC_SORT`); atomic_sort_equal: exactly the
+                values of the op with count and scatter
   op_layers     (M = 1 and 8) the op's share of a graph of 8 calls over 8 expert pools, as a step's graph holds it
                 (the replay paid once, no weights shared in L2); at M = 1 also as a share of the copy rate
   unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one;
@@ -171,8 +170,8 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
             outputs[label] = whole().float()
     ref = outputs["torch_sum"]
     row["op_rel_diff_vs_torch_sum"] = ((outputs["triton_sum"] - ref).norm() / ref.norm()).item()
-    if shape["K"] > 1:
-        time_sum_in_down(row, hidden, pool, table, ids, weights, shape, cfg, smoke)
+    if row["align_us"]:
+        time_atomic_sort(row, hidden, pool, table, ids, weights, shape, cfg, smoke)
     if num_tokens in LAYER_CALLS_M or smoke:
         time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s)
     pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_torch_us"]
@@ -181,22 +180,15 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     return row
 
 
-def time_sum_in_down(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
-    """The op with the top-k sum in the down kernel's epilogue (`SUM_IN_DOWN`, `_sum_finished_tokens`), whether it
-    gives exactly the op's values with the Triton top-k sum after the GEMMs, and (where the op sorts) both with the
-    atomic sort, alone and with the sum in the down kernel."""
-    def op(sum_in_down, atomic_sort=False):
-        cfg_now = {**cfg, "SUM_IN_DOWN": sum_in_down, "ATOMIC_SORT": atomic_sort}
+def time_atomic_sort(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
+    """The op with the atomic sort (`ATOMIC_SORT`), and whether it gives exactly the op's values with count and
+    scatter (`op_us` is the op as the tuned table wires it, which may already be the atomic sort)."""
+    def op(atomic_sort):
+        cfg_now = {**cfg, "ATOMIC_SORT": atomic_sort}
         return lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"], cfg_now)
 
-    row["op_sum_in_down_us"] = time_graph_us(op(True), smoke)
-    with wired_topk_sum(topk_sum_triton):
-        unfused = op(False)()
-        row["sum_in_down_equal"] = bool(torch.equal(op(True)(), unfused))
-        if row["align_us"]:
-            row["op_atomic_sort_us"] = time_graph_us(op(False, True), smoke)
-            row["op_atomic_sort_sum_in_down_us"] = time_graph_us(op(True, True), smoke)
-            row["atomic_sort_equal"] = all(torch.equal(op(s, True)(), unfused) for s in (False, True))
+    row["op_atomic_sort_us"] = time_graph_us(op(True), smoke)
+    row["atomic_sort_equal"] = bool(torch.equal(op(True)(), op(False)()))
 
 
 def time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s):
@@ -240,11 +232,8 @@ def print_row(r, header=False):
     if "op_layers_us" in r:
         of_copy = f" ({100 * r['op_layers_of_copy']:.0f}% of copy)" if "op_layers_of_copy" in r else ""
         paths += f" | op, {LAYER_CALLS} layers a graph:{r['op_layers_us']:.1f}{of_copy}"
-    if "op_sum_in_down_us" in r:
-        paths += f" | op, sum in down:{r['op_sum_in_down_us']:.1f}{'' if r['sum_in_down_equal'] else ' (DIFFERS)'}"
     if "op_atomic_sort_us" in r:
-        paths += (f" | op, atomic sort / and sum in down:{r['op_atomic_sort_us']:.1f} /"
-                  f" {r['op_atomic_sort_sum_in_down_us']:.1f}{'' if r['atomic_sort_equal'] else ' (DIFFERS)'}")
+        paths += f" | op, atomic sort:{r['op_atomic_sort_us']:.1f}{'' if r['atomic_sort_equal'] else ' (DIFFERS)'}"
     if "pair_block_gemms_us" in r:
         paths += f" | pair-block gemms:{r['pair_block_gemms_us']:.1f}"
         paths += f" | op sorted / pair blocks:{r['op_pair_blocks_false_us']:.1f} / {r['op_pair_blocks_true_us']:.1f}"

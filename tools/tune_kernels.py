@@ -6,11 +6,11 @@ For each model shape and M = 1, 2, 4, ..., 4096 it tries a few BLOCK_M values (t
 kernels share it) and, for each, times the gate/up and the down kernel separately over a small space of
 (BLOCK_N, BLOCK_K, num_warps, num_stages, and at large M the program order GROUP_M); the best pair is stored, the
 down kernel's tiles as DOWN_* keys. Up to 16 tokens the whole op is then timed sorted and one M block a pair, and
-`PAIR_BLOCKS` stores which won; with top-k above 1, `SUM_IN_DOWN` stores whether the sum in the down kernel beat
-the sum kernel after it, and where the op sorts, `ATOMIC_SORT` whether the atomic sort beat count and scatter. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool
-pages. A bucket left when the budget runs out is simply not stored (the lookup then falls back to the nearest tuned
-M, then to the heuristic). `--m` retunes only the buckets named (the others stay as the table has them); a bucket's
-stored tiles compete with the search space, so a retune never stores anything slower than what it measured for them.
+`PAIR_BLOCKS` stores which won; where the op sorts, `ATOMIC_SORT` stores whether the atomic sort beat count and
+scatter. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left
+when the budget runs out is simply not stored (the lookup then falls back to the nearest tuned M, then to the
+heuristic). `--m` retunes only the buckets named (the others stay as the table has them); a bucket's stored tiles
+compete with the search space, so a retune never stores anything slower than what it measured for them.
 """
 
 import argparse
@@ -86,8 +86,6 @@ def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch
     ms, cfg = min(choices, key=lambda c: c[0])
     if 1 < num_tokens <= PAIR_LAYOUT_MAX_TOKENS and not smoke:
         cfg["PAIR_BLOCKS"] = op_choice_wins("PAIR_BLOCKS", hidden, pool, table, ids, weights, shape["F"], cfg)
-    if shape["K"] > 1 and not smoke:
-        cfg["SUM_IN_DOWN"] = op_choice_wins("SUM_IN_DOWN", hidden, pool, table, ids, weights, shape["F"], cfg)
     if not uses_pair_blocks(num_tokens, cfg.get("PAIR_BLOCKS")) and not smoke:
         cfg["ATOMIC_SORT"] = op_choice_wins("ATOMIC_SORT", hidden, pool, table, ids, weights, shape["F"], cfg)
     return ms, cfg
@@ -96,8 +94,7 @@ def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch
 def op_choice_wins(key, hidden, pool, table, ids, weights, num_features, cfg) -> bool:
     """Whether the whole op is faster with the config's `key` on than off, as 8 calls in a CUDA graph (what a step's
     graph holds). `PAIR_BLOCKS`: one M block a pair against sorted (the sort's launch against an expert two pairs
-    share read twice); `SUM_IN_DOWN`: the top-k sum in the down kernel's epilogue against the sum kernel after it;
-    `ATOMIC_SORT`: the atomic sort against the count-and-scatter one."""
+    share read twice); `ATOMIC_SORT`: the atomic sort against the count-and-scatter one."""
     def op(on):
         return lambda: paged_moe_triton(hidden, pool, table, ids, weights, num_features, {**cfg, key: on})
 

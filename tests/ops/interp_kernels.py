@@ -108,47 +108,6 @@ def test_paged_moe_grouped_program_order(num_tokens, group_m, down_group_m):
     torch.testing.assert_close(paged_moe_triton(*case.args(), config=cfg), ref, rtol=1e-4, atol=1e-4)
 
 
-SUM_IN_DOWN_CASES = [(3, 4, 2, "sorted"), (17, 16, 4, "sorted"), (33, 8, 8, "sorted"),
-                     (5, 8, 4, "pairs"), (17, 8, 2, "absent"), (17, 8, 2, "host")]
-
-
-@pytest.mark.parametrize("num_tokens,num_experts,top_k,layout", SUM_IN_DOWN_CASES)
-def test_sum_in_down_gives_the_top_k_sums_values(num_tokens, num_experts, top_k, layout, monkeypatch):
-    """`SUM_IN_DOWN`: the down kernel's last writer of each token sums its K rows; the result is exactly (not
-    close to) the op with the top-k sum kernel after it, as CUDA wires it (on CPU `topk_sum` is torch's, whose order
-    differs), whatever the layout: sorted, one block a pair, experts at -1 that add zeros, experts read from host
-    copies. 72 columns in 16-column tiles: 5 N tiles, the last one partial; called twice, so the arrivals start
-    from zero each call."""
-    monkeypatch.setattr(importlib.import_module("rimuru.ops.paged_moe"), "topk_sum", topk_sum_triton)
-    case = moe_case(num_tokens, num_experts, top_k, num_features=40, hidden_size=72, seed=num_tokens + top_k)
-    host = None
-    if layout in ("absent", "host"):
-        pages = case.page_table.long()
-        if layout == "host":
-            host = tuple(case.expert_view[pages[:, m]].view(num_experts, *shape).clone()
-                         for m, shape in enumerate([(40, 72), (40, 72), (72, 40)]))  # fmt: skip
-        case.page_table[torch.tensor([1, 6])] = -1
-    cfg = {**SMALL, "PAIR_BLOCKS": layout == "pairs"}
-    expected = paged_moe_triton(*case.args(), config=cfg, host=host)
-    for _ in range(2):
-        fused = paged_moe_triton(*case.args(), config={**cfg, "SUM_IN_DOWN": True}, host=host)
-        assert torch.equal(fused, expected)
-    torch.testing.assert_close(fused, reference.paged_moe(*case.args(), host), rtol=1e-4, atol=1e-4)
-
-
-def test_sum_in_down_is_what_the_op_returns(monkeypatch):
-    """With `SUM_IN_DOWN` the op returns the down kernel's sums: `topk_sum` is not called."""
-    case = moe_case(17, 8, 2, num_features=40, hidden_size=72, seed=2)
-
-    def no_sum(pairs):
-        raise AssertionError("SUM_IN_DOWN: the op must not sum again")
-
-    paged_moe_module = importlib.import_module("rimuru.ops.paged_moe")
-    monkeypatch.setattr(paged_moe_module, "topk_sum", no_sum)
-    out = paged_moe_triton(*case.args(), config={**SMALL, "SUM_IN_DOWN": True})
-    torch.testing.assert_close(out, reference.paged_moe(*case.args()), rtol=1e-4, atol=1e-4)
-
-
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 4), (8, 2)])
 @pytest.mark.parametrize("head_dim", [32, 24])
 def test_paged_attention_mixed(num_heads, num_kv_heads, head_dim):

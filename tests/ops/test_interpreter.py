@@ -46,7 +46,6 @@ def test_moe_breakdown_runs(tmp_path):
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["breakdown"]
     assert len(rows) == 3 and all(r["casts_noop"] and r["op_rel_diff_vs_torch_sum"] < 1e-6 for r in rows)
-    assert all(r["sum_in_down_equal"] and r["op_sum_in_down_us"] > 0 for r in rows)
     assert [r["atomic_sort_equal"] for r in rows if "op_atomic_sort_us" in r] == [True, True]  # M = 3 and 70 sort
     assert [r["M"] for r in rows if "pair_block_gemms_us" in r] == [3]
 
