@@ -13,8 +13,8 @@ Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs)
                 (1 < M <= 8): both over one block a pair, unsorted (repeated experts read twice, or from L2)
   sum_torch     torch's `.sum(1)` over [T, K, D]; sum_triton: `rimuru.ops.topk_sum` (plus other tiles at M >= 1024)
   op            the whole op as wired by default; op_torch_sum and op_triton_sum: with each top-k sum
-  op_atomic_sort  (where the op sorts) the op with the atomic sort (`ATOMIC_SORT`); atomic_sort_equal: exactly the
-                values of the op with count and scatter
+  op_atomic_sort  (where the op sorts) the op with the atomic sort (`ATOMIC_SORT`), op_counted_sort without it (one
+                of the two is `op`, as the table says); atomic_sort_equal: both give exactly the same values
   op_layers     (M = 1 and 8) the op's share of a graph of 8 calls over 8 expert pools, as a step's graph holds it
                 (the replay paid once, no weights shared in L2); at M = 1 also as a share of the copy rate
   unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one;
@@ -181,13 +181,14 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
 
 
 def time_atomic_sort(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
-    """The op with the atomic sort (`ATOMIC_SORT`), and whether it gives exactly the op's values with count and
-    scatter (`op_us` is the op as the tuned table wires it, which may already be the atomic sort)."""
+    """The op with the atomic sort (`ATOMIC_SORT`) and without it, whichever the tuned table wires into `op_us`,
+    and whether the two give exactly the same values."""
     def op(atomic_sort):
         cfg_now = {**cfg, "ATOMIC_SORT": atomic_sort}
         return lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"], cfg_now)
 
     row["op_atomic_sort_us"] = time_graph_us(op(True), smoke)
+    row["op_counted_sort_us"] = time_graph_us(op(False), smoke)
     row["atomic_sort_equal"] = bool(torch.equal(op(True)(), op(False)()))
 
 
@@ -233,7 +234,8 @@ def print_row(r, header=False):
         of_copy = f" ({100 * r['op_layers_of_copy']:.0f}% of copy)" if "op_layers_of_copy" in r else ""
         paths += f" | op, {LAYER_CALLS} layers a graph:{r['op_layers_us']:.1f}{of_copy}"
     if "op_atomic_sort_us" in r:
-        paths += f" | op, atomic sort:{r['op_atomic_sort_us']:.1f}{'' if r['atomic_sort_equal'] else ' (DIFFERS)'}"
+        paths += (f" | op, atomic / counted sort:{r['op_atomic_sort_us']:.1f} / {r['op_counted_sort_us']:.1f}"
+                  f"{'' if r['atomic_sort_equal'] else ' (DIFFERS)'}")
     if "pair_block_gemms_us" in r:
         paths += f" | pair-block gemms:{r['pair_block_gemms_us']:.1f}"
         paths += f" | op sorted / pair blocks:{r['op_pair_blocks_false_us']:.1f} / {r['op_pair_blocks_true_us']:.1f}"
