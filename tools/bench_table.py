@@ -16,6 +16,7 @@ steps, and the experts on the host.
 import argparse
 
 from rimuru.benchmark import read_records
+from rimuru.config import parse_bytes
 
 HEADER = ("| policy | output tok/s | vs first | TTFT mean / median / p99 | TPOT median | peak / mean running "
           "| steps | preemptions | evictions / additions | copied, read in place | prefetch hit rate "
@@ -48,7 +49,7 @@ def row(label: str, record: dict, baseline: float) -> str:
         _traffic(copied, record.get("direct_reads"), steps),
         "-" if hit is None else f"{100 * hit:.1f}%",
         " / ".join(f"{1e3 * record.get(k, 0.0) / steps:.2f}" for k in STEP_TIMES) + " ms",
-        f"{record['peak_reserved_bytes'] / 2**30:.2f} GiB" if record.get("peak_reserved_bytes") else "-",
+        _reserved(record),
     ]
     if record.get("truncated_at_s") is not None:
         cells[0] += f" (stopped at {record['truncated_at_s']:.0f} s, {record['finished_requests']} finished)"
@@ -61,6 +62,16 @@ def _traffic(copied: int, direct_reads: int | None, steps: int) -> str:
     if direct_reads:
         cells.append(f"{direct_reads:,} host reads ({direct_reads / steps:.1f} a step)")
     return ", ".join(cells) or "0"
+
+
+def _reserved(record: dict) -> str:
+    """The peak reserved GPU memory, flagged where it went past the run's budget."""
+    peak = record.get("peak_reserved_bytes")
+    if not peak:
+        return "-"
+    budget = parse_bytes((record.get("engine") or {}).get("gpu_memory_budget"))
+    over = f" (over the {budget / 2**30:.2f} GiB budget)" if budget and peak > budget else ""
+    return f"{peak / 2**30:.2f} GiB{over}"
 
 
 def _g(value) -> str:

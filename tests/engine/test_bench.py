@@ -66,6 +66,15 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
     assert f"| elastic-0 | {elastic['output_tokens_per_s']:,.1f} | 1.00 |" in text
 
 
+def test_the_table_flags_a_run_that_went_past_its_budget():
+    """Peak reserved memory above the run's `gpu_memory_budget` is named in its cell; at or under it, not."""
+    record = {"peak_reserved_bytes": int(30.5 * 2**30), "engine": {"gpu_memory_budget": "30GiB"}}
+    assert bench_table._reserved(record) == "30.50 GiB (over the 30.00 GiB budget)"
+    assert bench_table._reserved({**record, "peak_reserved_bytes": 29 * 2**30}) == "29.00 GiB"
+    assert bench_table._reserved({**record, "engine": {"gpu_memory_budget": None}}) == "30.50 GiB"
+    assert bench_table._reserved({"peak_reserved_bytes": None}) == "-"
+
+
 def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
     """The cost adjuster's estimates appear in `expert_stats` during the run; the record's counters start at zero
     after the warm-up all the same."""
