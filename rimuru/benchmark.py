@@ -178,6 +178,8 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
         "prefetch_seconds": round(experts["prefetch_seconds"], 3),  # of it, issuing prefetches (graphs: overlapped)
         "adjuster_seconds": round(engine.adjuster_seconds - before["adjuster_seconds"], 3),  # host, between passes
         "peak_reserved_bytes": torch.cuda.max_memory_reserved() if torch.cuda.is_available() else None,
+        # what tensors held at the peak: reserved far above it is the caching allocator's fragmentation
+        "peak_allocated_bytes": torch.cuda.max_memory_allocated() if torch.cuda.is_available() else None,
         "series": series,
     }
 

@@ -65,13 +65,17 @@ def _traffic(copied: int, direct_reads: int | None, steps: int) -> str:
 
 
 def _reserved(record: dict) -> str:
-    """The peak reserved GPU memory, flagged where it went past the run's budget."""
+    """The peak reserved GPU memory, flagged where it went past the run's budget (with the peak allocated, the
+    tensors' share, where the record has it)."""
     peak = record.get("peak_reserved_bytes")
     if not peak:
         return "-"
     budget = parse_bytes((record.get("engine") or {}).get("gpu_memory_budget"))
-    over = f" (over the {budget / 2**30:.2f} GiB budget)" if budget and peak > budget else ""
-    return f"{peak / 2**30:.2f} GiB{over}"
+    allocated = record.get("peak_allocated_bytes")
+    over = f" (over the {budget / 2**30:.2f} GiB budget" if budget and peak > budget else ""
+    if over and allocated:
+        over += f"; {allocated / 2**30:.2f} GiB allocated"
+    return f"{peak / 2**30:.2f} GiB{over}{')' if over else ''}"
 
 
 def _g(value) -> str:

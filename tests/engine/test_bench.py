@@ -73,6 +73,8 @@ def test_the_table_flags_a_run_that_went_past_its_budget():
     assert bench_table._reserved({**record, "peak_reserved_bytes": 29 * 2**30}) == "29.00 GiB"
     assert bench_table._reserved({**record, "engine": {"gpu_memory_budget": None}}) == "30.50 GiB"
     assert bench_table._reserved({"peak_reserved_bytes": None}) == "-"
+    with_allocated = {**record, "peak_allocated_bytes": 29 * 2**30}
+    assert bench_table._reserved(with_allocated) == "30.50 GiB (over the 30.00 GiB budget; 29.00 GiB allocated)"
 
 
 def test_the_cost_adjusters_record_counts_its_own_run(family, tmp_path):
