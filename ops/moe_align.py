@@ -25,6 +25,8 @@ import torch
 import triton
 import triton.language as tl
 
+from rimuru.ops.dependent_launch import launch_options, pdl_supported, wait_for_prior_grid
+
 CHUNK = 128  # pairs a sort program holds in registers at most: its [tile, E] one-hot tiles
 ONE_PROGRAM_CHUNKS = 1  # up to this many CHUNKs of pairs the whole sort is one launch of one program
 # count + scatter take tiles smaller than CHUNK while that keeps at least this many programs: the [tile, E]
@@ -113,9 +115,10 @@ def _scatter_chunk(p_ids, p_sorted_ids, p_block_expert, p_num_padded, i_c, b_nex
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "pairs_each", "rows_each"])
 def _count_kernel(
     p_ids, p_chunk_counts, p_sorted_ids, num_pairs, max_rows, pairs_each, rows_each,
-    EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr,
+    EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Pairs per expert in this program's chunk of `pairs_each`, and the pad id over its share of the sorted rows."""
+    wait_for_prior_grid(USE_PDL)
     i_c = tl.program_id(0)
     start = i_c * pairs_each
     b_count = _range_counts(p_ids, start, tl.minimum(start + pairs_each, num_pairs), EXPERTS_PAD, TILE)
@@ -128,9 +131,11 @@ def _scatter_kernel(
     p_ids, p_chunk_counts, p_sorted_ids, p_block_expert, p_num_padded,
     num_pairs, num_experts, num_chunks, max_blocks, blocks_each, pairs_each,
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr, PREFIX_ROWS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Each pair of chunk c goes to start[e] + (pairs of e in chunks before c) + (its rank in chunk c); each program
     sums the whole count table for the starts (few chunks: `_scan_kernel` does it once for many)."""
+    wait_for_prior_grid(USE_PDL)
     i_c = tl.program_id(0)
     o_e = tl.arange(0, EXPERTS_PAD)
     b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
@@ -148,10 +153,11 @@ def _scatter_kernel(
 
 @triton.jit(do_not_specialize=["num_chunks"])
 def _scan_kernel(p_chunk_counts, p_chunk_rows, num_chunks, BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr,
-                 SCAN_ROWS: tl.constexpr):
+                 SCAN_ROWS: tl.constexpr, USE_PDL: tl.constexpr):
     """One program: each expert's padded run from the chunk counts, then row c of `p_chunk_rows` = chunk c's first
     row for each expert (its run's start + its pairs in chunks before c); the row after the last holds the runs'
     ends. A table of up to SCAN_ROWS chunks is one tile (the second pass finds it in cache)."""
+    wait_for_prior_grid(USE_PDL)
     o_e = tl.arange(0, EXPERTS_PAD)
     b_total = tl.zeros((EXPERTS_PAD,), dtype=tl.int32)
     for c_start in range(0, num_chunks, SCAN_ROWS):
@@ -174,9 +180,10 @@ def _scan_kernel(p_chunk_counts, p_chunk_rows, num_chunks, BLOCK_M: tl.constexpr
 def _scatter_scanned_kernel(
     p_ids, p_chunk_rows, p_sorted_ids, p_block_expert, p_num_padded,
     num_pairs, num_experts, num_chunks, max_blocks, blocks_each, pairs_each,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """Chunk c's pairs from its first rows (`_scan_kernel`), and this program's share of the block experts."""
+    wait_for_prior_grid(USE_PDL)
     i_c = tl.program_id(0)
     o_e = tl.arange(0, EXPERTS_PAD)
     b_next = tl.load(p_chunk_rows + i_c * EXPERTS_PAD + o_e)
@@ -198,9 +205,10 @@ def _store_block_experts(p_block_expert, b_end, block_start, block_end, num_expe
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])
 def _align_one_program_kernel(
     p_ids, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows, max_blocks,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """The whole sort in one program (decode batches): count, pad, scatter and block experts, one launch."""
+    wait_for_prior_grid(USE_PDL)
     b_padded, b_end = _padded_runs(_range_counts(p_ids, 0, num_pairs, EXPERTS_PAD, TILE), BLOCK_M)
     _fill_pad_ids(p_sorted_ids, 0, max_rows, num_pairs, TILE)
     tl.debug_barrier()  # NOTE: the pad ids above must land before the pair ids that overwrite some of them
@@ -214,10 +222,12 @@ def _atomic_count_kernel(
     p_ids, p_counts, p_cursor, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows,
     max_blocks, pairs_each, rows_each, num_programs,
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr, BLOCKS_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """Each program adds its pairs to the [E] counts (an atomic a pair, no one-hot tile) and fills its share of
     the rows with the pad id; the last program to finish (an atomic ticket after the counts, `p_counts[E_PAD]`)
     pads the runs, sets each expert's cursor to its run's start, and writes the block experts and the row count."""
+    wait_for_prior_grid(USE_PDL)
     i_c = tl.program_id(0)
     start = i_c * pairs_each
     end = tl.minimum(start + pairs_each, num_pairs)
@@ -238,9 +248,11 @@ def _atomic_count_kernel(
 
 
 @triton.jit(do_not_specialize=["num_pairs", "pairs_each"])
-def _atomic_scatter_kernel(p_ids, p_cursor, p_sorted_ids, num_pairs, pairs_each, TILE: tl.constexpr):
+def _atomic_scatter_kernel(p_ids, p_cursor, p_sorted_ids, num_pairs, pairs_each, TILE: tl.constexpr,
+                           USE_PDL: tl.constexpr):  # fmt: skip
     """Each pair takes the next row of its expert's run (an atomic on the expert's cursor): within a run the pairs
     land in any order, which no output depends on (a GEMM row is computed alone, the top-k sum goes by k)."""
+    wait_for_prior_grid(USE_PDL)
     start = tl.program_id(0) * pairs_each
     end = tl.minimum(start + pairs_each, num_pairs)
     for tile_start in range(start, end, TILE):
@@ -250,7 +262,8 @@ def _atomic_scatter_kernel(p_ids, p_cursor, p_sorted_ids, num_pairs, pairs_each,
         tl.store(p_sorted_ids + b_row, o_p, mask=m_p)
 
 
-def _atomic_count_and_scatter(ids, out, num_experts: int, block_m: int, pairs_each: int = ATOMIC_PAIRS_EACH) -> None:
+def _atomic_count_and_scatter(ids, out, num_experts: int, block_m: int, pairs_each: int = ATOMIC_PAIRS_EACH,
+                              pdl: bool = False) -> None:  # fmt: skip
     """The sort in two launches and a memset, with atomics (`_atomic_count_kernel`, `_atomic_scatter_kernel`)."""
     sorted_ids, block_expert, num_padded = out
     num_pairs, experts_pad = ids.numel(), triton.next_power_of_2(num_experts)
@@ -262,9 +275,10 @@ def _atomic_count_and_scatter(ids, out, num_experts: int, block_m: int, pairs_ea
         ids, counts, cursor, sorted_ids, block_expert, num_padded, num_pairs, num_experts, sorted_ids.numel(),
         block_expert.numel(), pairs_each, triton.cdiv(sorted_ids.numel(), num_programs), num_programs,
         BLOCK_M=block_m, EXPERTS_PAD=experts_pad, TILE=tile, BLOCKS_TILE=max(16, TILE_ENTRIES // experts_pad // 2),
-        num_warps=4,
+        USE_PDL=pdl, num_warps=4, **launch_options(pdl),
     )
-    _atomic_scatter_kernel[(num_programs,)](ids, cursor, sorted_ids, num_pairs, pairs_each, TILE=tile, num_warps=4)
+    _atomic_scatter_kernel[(num_programs,)](ids, cursor, sorted_ids, num_pairs, pairs_each, TILE=tile, USE_PDL=pdl,
+                                            num_warps=4, **launch_options(pdl))  # fmt: skip
 
 
 def tile_chunk(num_experts: int) -> int:
@@ -305,11 +319,12 @@ def sort_chunks(num_pairs: int, tile: int, max_programs: int = MAX_SORT_PROGRAMS
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None,
                         chunk: int | None = None, scan: bool | None = None, max_programs: int = MAX_SORT_PROGRAMS,
-                        atomic: bool = False):  # fmt: skip
+                        atomic: bool = False, pdl: bool = False):  # fmt: skip
     """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS CHUNKs of pairs, else count then scatter
     (at most `max_programs` programs, each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the
     counts between the two past SCAN_ABOVE_ENTRIES (`scans_counts`); with `atomic` the atomic sort, whose runs hold
-    their pairs in any order. `one_program` and `scan` force a path."""
+    their pairs in any order. `one_program` and `scan` force a path. `pdl`: each launch dependent on the one before it
+    (`rimuru.ops.dependent_launch`), where the device can."""
     num_pairs = topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
     out = (torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device),  # sorted_ids
@@ -317,22 +332,23 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
            torch.empty(1, dtype=torch.int32, device=topk_ids.device))  # num_padded
     ids = topk_ids.contiguous()
     use_one_program = triton.cdiv(num_pairs, CHUNK) <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
+    pdl = pdl and pdl_supported(ids.device)
     if atomic:
-        _atomic_count_and_scatter(ids, out, num_experts, block_m)
+        _atomic_count_and_scatter(ids, out, num_experts, block_m, pdl=pdl)
     elif use_one_program:
         _align_one_program_kernel[(1,)](
             ids, *out, num_pairs, num_experts, max_rows, out[1].numel(), BLOCK_M=block_m,
             EXPERTS_PAD=triton.next_power_of_2(num_experts), TILE=one_program_chunk(num_pairs, num_experts),
-            num_warps=8,
+            USE_PDL=pdl, num_warps=8, **launch_options(pdl),
         )
     else:
         _count_and_scatter(ids, out, num_experts, block_m, chunk or count_chunk(num_pairs, num_experts), scan,
-                           max_programs)  # fmt: skip
+                           max_programs, pdl)  # fmt: skip
     return out
 
 
 def _count_and_scatter(ids, out, num_experts: int, block_m: int, tile: int, scan: bool | None,
-                       max_programs: int) -> None:  # fmt: skip
+                       max_programs: int, pdl: bool = False) -> None:  # fmt: skip
     """The sort in two launches (count, scatter), or three with the scan between them, into `out`."""
     sorted_ids, block_expert, _ = out
     num_pairs, experts_pad = ids.numel(), triton.next_power_of_2(num_experts)
@@ -340,7 +356,8 @@ def _count_and_scatter(ids, out, num_experts: int, block_m: int, tile: int, scan
     chunk_counts = torch.empty(num_chunks, experts_pad, dtype=torch.int32, device=ids.device)
     _count_kernel[(num_chunks,)](
         ids, chunk_counts, sorted_ids, num_pairs, sorted_ids.numel(), pairs_each,
-        triton.cdiv(sorted_ids.numel(), num_chunks), EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8,
+        triton.cdiv(sorted_ids.numel(), num_chunks), EXPERTS_PAD=experts_pad, TILE=tile, USE_PDL=pdl, num_warps=8,
+        **launch_options(pdl),
     )
     max_blocks = block_expert.numel()  # and below: a program's share of the blocks, and its pairs
     sizes = (num_pairs, num_experts, num_chunks, max_blocks, triton.cdiv(max_blocks, num_chunks), pairs_each)
@@ -348,19 +365,22 @@ def _count_and_scatter(ids, out, num_experts: int, block_m: int, tile: int, scan
     if use_scan:
         chunk_rows = torch.empty(num_chunks + 1, experts_pad, dtype=torch.int32, device=ids.device)
         _scan_kernel[(1,)](chunk_counts, chunk_rows, num_chunks, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
-                           SCAN_ROWS=scan_rows(num_chunks, experts_pad), num_warps=8)
+                           SCAN_ROWS=scan_rows(num_chunks, experts_pad), USE_PDL=pdl, num_warps=8,
+                           **launch_options(pdl))  # fmt: skip
         _scatter_scanned_kernel[(num_chunks,)](ids, chunk_rows, *out, *sizes, BLOCK_M=block_m,
-                                               EXPERTS_PAD=experts_pad, TILE=tile, num_warps=8)
+                                               EXPERTS_PAD=experts_pad, TILE=tile, USE_PDL=pdl, num_warps=8,
+                                               **launch_options(pdl))  # fmt: skip
     else:
         _scatter_kernel[(num_chunks,)](ids, chunk_counts, *out, *sizes, BLOCK_M=block_m, EXPERTS_PAD=experts_pad,
-                                       TILE=tile, PREFIX_ROWS=max(1, 4096 // experts_pad), num_warps=8)
+                                       TILE=tile, PREFIX_ROWS=max(1, 4096 // experts_pad), USE_PDL=pdl, num_warps=8,
+                                       **launch_options(pdl))  # fmt: skip
 
 
-def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, atomic: bool = False):
+def align_tokens(topk_ids: torch.Tensor, num_experts: int, block_m: int, atomic: bool = False, pdl: bool = False):
     """(sorted_ids [R], block_expert [R / BLOCK_M], num_padded [1]) for `topk_ids` [T, K]; no host sync. `atomic`:
-    the atomic sort on CUDA (runs in any order; the torch path keeps pair order)."""
+    the atomic sort on CUDA (runs in any order; the torch path keeps pair order); `pdl`: dependent launches."""
     if topk_ids.is_cuda and topk_ids.numel() > 0:
-        return align_tokens_triton(topk_ids, num_experts, block_m, atomic=atomic)
+        return align_tokens_triton(topk_ids, num_experts, block_m, atomic=atomic, pdl=pdl)
     return align_tokens_torch(topk_ids, num_experts, block_m)
 
 
@@ -377,14 +397,14 @@ def uses_pair_blocks(num_tokens: int, tuned: bool | None = None) -> bool:
 
 
 def gemm_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int, tuned_pairs: bool | None = None,
-                atomic_sort: bool = False):  # fmt: skip
+                atomic_sort: bool = False, pdl: bool = False):  # fmt: skip
     """The M blocks the GEMMs run: `pair_blocks` for one token, whose top-k experts are distinct (the sort took
     15.5 us of Qwen3's 50.7 us op at one token on the H200 and bought nothing), or where a tuned config says so
     (`PAIR_BLOCKS`: a few tokens, whose experts seldom repeat; an expert two pairs share is read twice), else
     `align_tokens` (the atomic sort where a tuned config says `ATOMIC_SORT`)."""
     if uses_pair_blocks(topk_ids.shape[0], tuned_pairs):
         return pair_blocks(topk_ids)
-    return align_tokens(topk_ids, num_experts, block_m, atomic_sort)
+    return align_tokens(topk_ids, num_experts, block_m, atomic_sort, pdl)
 
 
 def align_tokens_torch(topk_ids: torch.Tensor, num_experts: int, block_m: int):

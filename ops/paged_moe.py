@@ -5,7 +5,8 @@ tokens and one N tile of the F features, both the gate and the up tile (each fro
 concatenated) and stores silu(gate) * up. `_down_kernel` multiplies that by the down page, scales each row by its
 router weight in fp32 and writes one row per (token, k); the sum over k is `rimuru.ops.topk_sum` (fixed order, no
 atomics). Token sorting lives in `rimuru.ops.moe_align`; a single token skips it (`gemm_layout`: one M block a
-pair, its expert read from the top-k ids). The reference is `rimuru.ops.reference.paged_moe`.
+pair, its expert read from the top-k ids). Where a tuned config says `PDL`, every launch of the op is dependent on
+the one before it (`rimuru.ops.dependent_launch`). The reference is `rimuru.ops.reference.paged_moe`.
 
 Addresses inside the expert view (row stride `stride_page` >= F * D, so padded pools work):
 
@@ -30,6 +31,7 @@ import triton.language as tl
 
 from rimuru.ops import reference
 from rimuru.ops.configs import moe_config
+from rimuru.ops.dependent_launch import launch_options, pdl_supported, wait_for_prior_grid
 from rimuru.ops.moe_align import gemm_layout
 from rimuru.ops.topk_sum import topk_sum
 
@@ -78,8 +80,9 @@ def _gate_up_kernel(
     p_hidden, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_act, p_host_gate, p_host_up,
     num_pairs, top_k, num_features, hidden_size, stride_hidden, stride_page, stride_act, num_m_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(USE_PDL)
     i_m, i_n, live = _program_tile(num_m_blocks, tl.cdiv(num_features, BLOCK_N), p_num_padded, BLOCK_M, PAIR_BLOCKS,
                                    GROUP_M)  # fmt: skip
     if not live:
@@ -126,8 +129,9 @@ def _down_kernel(
     p_act, p_experts, p_page_table, p_sorted_ids, p_block_expert, p_num_padded, p_weights, p_out, p_host_down,
     num_pairs, num_features, hidden_size, stride_act, stride_page, stride_out, num_m_blocks,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, READ_HOST: tl.constexpr,
-    PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr,
+    PAIR_BLOCKS: tl.constexpr, GROUP_M: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    wait_for_prior_grid(USE_PDL)
     i_m, i_n, live = _program_tile(num_m_blocks, tl.cdiv(hidden_size, BLOCK_N), p_num_padded, BLOCK_M, PAIR_BLOCKS,
                                    GROUP_M)  # fmt: skip
     if not live:
@@ -179,7 +183,8 @@ def launch_gate_up(hidden, expert_view, page_table, sorted_ids, block_expert, nu
         num_pairs, top_k, num_features, hidden.shape[1], hidden.stride(0), expert_view.stride(0), act.stride(0),
         num_m_blocks, BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         READ_HOST=host is not None, PAIR_BLOCKS=pair_blocks, GROUP_M=cfg.get("GROUP_M", 0),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        USE_PDL=cfg.get("PDL", False), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **launch_options(cfg.get("PDL", False)),
     )
 
 
@@ -196,8 +201,8 @@ def launch_down(act, expert_view, page_table, sorted_ids, block_expert, num_padd
         act, expert_view, page_table, sorted_ids, block_expert, num_padded, weights, out, host_down,
         num_pairs, num_features, out.shape[1], act.stride(0), expert_view.stride(0), out.stride(0), num_m_blocks,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"], BLOCK_K=tiles["BLOCK_K"], READ_HOST=host is not None,
-        PAIR_BLOCKS=pair_blocks, GROUP_M=tiles.get("GROUP_M", 0), num_warps=tiles["num_warps"],
-        num_stages=tiles["num_stages"],
+        PAIR_BLOCKS=pair_blocks, GROUP_M=tiles.get("GROUP_M", 0), USE_PDL=cfg.get("PDL", False),
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **launch_options(cfg.get("PDL", False)),
     )
 
 
@@ -240,15 +245,17 @@ def paged_moe_triton(
     assert expert_view.stride(1) == 1 and hidden.stride(1) == 1, "pages and hidden rows must be contiguous"
     cfg = config or moe_config(num_tokens, num_experts, num_features, hidden_size, top_k, hidden.device,
                                hidden.element_size())  # fmt: skip
+    pdl = cfg.get("PDL", False) and pdl_supported(hidden.device)  # tuned per M: each launch dependent
+    cfg = {**cfg, "PDL": pdl}
     sorted_ids, block_expert, num_padded = gemm_layout(topk_ids, num_experts, cfg["BLOCK_M"], cfg.get("PAIR_BLOCKS"),
-                                                       cfg.get("ATOMIC_SORT", False))  # fmt: skip
+                                                       cfg.get("ATOMIC_SORT", False), pdl)  # fmt: skip
     # NOTE: no-ops (no launch) for what the model passes, fp32 weights from torch.topk and the int32 page table
     weights = topk_weights.to(torch.float32).contiguous()
     out = moe_gemms(hidden, expert_view, page_table.to(torch.int32).contiguous(), weights, sorted_ids,
                     block_expert, num_padded, num_features, cfg, host)  # [T * K, D]
     if top_k == 1:
         return out
-    return topk_sum(out.view(num_tokens, top_k, hidden_size))  # [T, D], fp32 accumulation in k order
+    return topk_sum(out.view(num_tokens, top_k, hidden_size), pdl=pdl)  # [T, D], fp32 accumulation in k order
 
 
 @torch.library.custom_op("rimuru::paged_moe", mutates_args=(), device_types="cpu")

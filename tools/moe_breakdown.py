@@ -15,6 +15,7 @@ Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs)
   op            the whole op as wired by default; op_torch_sum and op_triton_sum: with each top-k sum
   op_atomic_sort  (where the op sorts) the op with the atomic sort (`ATOMIC_SORT`), op_counted_sort without it (one
                 of the two is `op`, as the table says); atomic_sort_equal: both give exactly the same values
+  op_pdl        the op with every launch dependent on the one before it (`PDL`), op_plain_launch without; pdl_equal
   op_layers     (M = 1 and 8) the op's share of a graph of 8 calls over 8 expert pools, as a step's graph holds it
                 (the replay paid once, no weights shared in L2); at M = 1 also as a share of the copy rate
   unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one;
@@ -164,7 +165,7 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     whole = lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"])  # noqa: E731
     row["op_us"] = time_graph_us(whole, smoke)  # as wired by default
     outputs = {}
-    for label, sum_fn in (("torch_sum", lambda pairs: pairs.sum(1)), ("triton_sum", topk_sum_triton)):
+    for label, sum_fn in (("torch_sum", lambda pairs, pdl: pairs.sum(1)), ("triton_sum", topk_sum_triton)):
         with wired_topk_sum(sum_fn):
             row[f"op_{label}_us"] = time_graph_us(whole, smoke)
             outputs[label] = whole().float()
@@ -172,6 +173,7 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     row["op_rel_diff_vs_torch_sum"] = ((outputs["triton_sum"] - ref).norm() / ref.norm()).item()
     if row["align_us"]:
         time_atomic_sort(row, hidden, pool, table, ids, weights, shape, cfg, smoke)
+    time_dependent_launches(row, hidden, pool, table, ids, weights, shape, cfg, smoke)
     if num_tokens in LAYER_CALLS_M or smoke:
         time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s)
     pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_torch_us"]
@@ -190,6 +192,19 @@ def time_atomic_sort(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
     row["op_atomic_sort_us"] = time_graph_us(op(True), smoke)
     row["op_counted_sort_us"] = time_graph_us(op(False), smoke)
     row["atomic_sort_equal"] = bool(torch.equal(op(True)(), op(False)()))
+
+
+def time_dependent_launches(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
+    """The op with every launch dependent on the one before it (`PDL`, `rimuru.ops.dependent_launch`) and without,
+    whichever the tuned table wires into `op_us`, and whether the two give exactly the same values (where the device
+    cannot launch dependent, both are the plain op)."""
+    def op(pdl):
+        cfg_now = {**cfg, "PDL": pdl}
+        return lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"], cfg_now)
+
+    row["op_pdl_us"] = time_graph_us(op(True), smoke)
+    row["op_plain_launch_us"] = time_graph_us(op(False), smoke)
+    row["pdl_equal"] = bool(torch.equal(op(True)(), op(False)()))
 
 
 def time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s):
@@ -236,6 +251,9 @@ def print_row(r, header=False):
     if "op_atomic_sort_us" in r:
         paths += (f" | op, atomic / counted sort:{r['op_atomic_sort_us']:.1f} / {r['op_counted_sort_us']:.1f}"
                   f"{'' if r['atomic_sort_equal'] else ' (DIFFERS)'}")
+    if "op_pdl_us" in r:
+        paths += (f" | op, dependent / plain launches:{r['op_pdl_us']:.1f} / {r['op_plain_launch_us']:.1f}"
+                  f"{'' if r['pdl_equal'] else ' (DIFFERS)'}")
     if "pair_block_gemms_us" in r:
         paths += f" | pair-block gemms:{r['pair_block_gemms_us']:.1f}"
         paths += f" | op sorted / pair blocks:{r['op_pair_blocks_false_us']:.1f} / {r['op_pair_blocks_true_us']:.1f}"

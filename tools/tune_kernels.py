@@ -7,7 +7,7 @@ kernels share it) and, for each, times the gate/up and the down kernel separatel
 (BLOCK_N, BLOCK_K, num_warps, num_stages, and at large M the program order GROUP_M); the best pair is stored, the
 down kernel's tiles as DOWN_* keys. Up to 16 tokens the whole op is then timed sorted and one M block a pair, and
 `PAIR_BLOCKS` stores which won; where the op sorts, `ATOMIC_SORT` stores whether the atomic sort beat count and
-scatter. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left
+scatter; at every M, `PDL` whether dependent launches beat plain ones. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left
 when the budget runs out is simply not stored (the lookup then falls back to the nearest tuned M, then to the
 heuristic). `--m` retunes only the buckets named (the others stay as the table has them); a bucket's stored tiles
 compete with the search space, so a retune never stores anything slower than what it measured for them.
@@ -88,13 +88,16 @@ def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch
         cfg["PAIR_BLOCKS"] = op_choice_wins("PAIR_BLOCKS", hidden, pool, table, ids, weights, shape["F"], cfg)
     if not uses_pair_blocks(num_tokens, cfg.get("PAIR_BLOCKS")) and not smoke:
         cfg["ATOMIC_SORT"] = op_choice_wins("ATOMIC_SORT", hidden, pool, table, ids, weights, shape["F"], cfg)
+    if not smoke:
+        cfg["PDL"] = op_choice_wins("PDL", hidden, pool, table, ids, weights, shape["F"], cfg)
     return ms, cfg
 
 
 def op_choice_wins(key, hidden, pool, table, ids, weights, num_features, cfg) -> bool:
     """Whether the whole op is faster with the config's `key` on than off, as 8 calls in a CUDA graph (what a step's
     graph holds). `PAIR_BLOCKS`: one M block a pair against sorted (the sort's launch against an expert two pairs
-    share read twice); `ATOMIC_SORT`: the atomic sort against the count-and-scatter one."""
+    share read twice); `ATOMIC_SORT`: the atomic sort against the count-and-scatter one; `PDL`: every launch
+    dependent on the one before it against plain launches."""
     def op(on):
         return lambda: paged_moe_triton(hidden, pool, table, ids, weights, num_features, {**cfg, key: on})
 

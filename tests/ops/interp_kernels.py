@@ -276,6 +276,17 @@ def test_the_op_over_runs_in_another_order_gives_the_same_values():
     assert torch.equal(one, other)
 
 
+def test_dependent_launches_are_plain_where_the_device_cannot_take_them():
+    """`PDL` asked of a device without dependent launches (this CPU, the interpreter) launches every kernel plainly:
+    the same values, and no grid-dependency instruction reaches the interpreter."""
+    from rimuru.ops.dependent_launch import launch_options, pdl_supported
+
+    assert not pdl_supported("cpu") and launch_options(False) == {}
+    case = moe_case(70, 8, 2, num_features=40, hidden_size=72, seed=5)
+    plain = paged_moe_triton(*case.args(), config=SMALL)
+    assert torch.equal(paged_moe_triton(*case.args(), config={**SMALL, "PDL": True}), plain)
+
+
 @pytest.mark.parametrize("chunk", [16, 32, 128])
 @pytest.mark.parametrize("scan", [False, True])
 def test_align_tokens_count_and_scatter_at_every_chunk_size(chunk, scan):

@@ -15,10 +15,13 @@ try:
 except ImportError:  # pragma: no cover - an older Triton lays these out elsewhere
     GPUTarget = ASTSource = None
 
-from rimuru.ops.moe_align import _atomic_count_kernel, _atomic_scatter_kernel
+from rimuru.ops.moe_align import (_align_one_program_kernel, _atomic_count_kernel, _atomic_scatter_kernel,
+                                   _count_kernel, _scan_kernel, _scatter_kernel, _scatter_scanned_kernel)
 from rimuru.ops.paged_moe import _down_kernel, _gate_up_kernel
+from rimuru.ops.topk_sum import _topk_sum_kernel
 
-INT_POINTERS = {"p_page_table", "p_sorted_ids", "p_block_expert", "p_num_padded", "p_counts", "p_cursor"}
+INT_POINTERS = {"p_page_table", "p_sorted_ids", "p_block_expert", "p_num_padded", "p_counts", "p_cursor",
+                "p_chunk_counts", "p_chunk_rows"}
 
 
 def ptxas_available() -> bool:
@@ -56,25 +59,47 @@ def memory_ops(ptx: str) -> set[str]:
     return {m.group(0) for m in re.finditer(r"\b(?:atom|red)\.[\w.]+", ptx)}
 
 
-MOE_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PAIR_BLOCKS": False, "GROUP_M": 8}
+MOE_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PAIR_BLOCKS": False, "GROUP_M": 8, "USE_PDL": False}
+ATOMIC_COUNT = {"BLOCK_M": 128, "EXPERTS_PAD": 128, "TILE": 256, "BLOCKS_TILE": 32, "USE_PDL": False}
+GRID_DEPENDENCY = ("griddepcontrol.launch_dependents", "griddepcontrol.wait")
 
 
 @pytest.mark.parametrize("read_host", [False, True])
 def test_down_kernel_compiles_without_atomics(read_host, tmp_path, monkeypatch):
-    """Each output row has one writer: the down kernel stores plainly, no atomics."""
+    """Each output row has one writer: the down kernel stores plainly, no atomics (and, off, no grid waits)."""
     ptx = compile_sm90(_down_kernel, {**MOE_TILES, "READ_HOST": read_host}, 8, tmp_path, monkeypatch, num_stages=3)
-    assert memory_ops(ptx) == set()
+    assert memory_ops(ptx) == set() and not any(op in ptx for op in GRID_DEPENDENCY)
 
 
-def test_gate_up_kernel_compiles(tmp_path, monkeypatch):
-    compile_sm90(_gate_up_kernel, {**MOE_TILES, "READ_HOST": True}, 8, tmp_path, monkeypatch, num_stages=4)
+CHAINED = {  # every kernel of the op, with the constexprs of a Qwen3-sized launch
+    "gate_up": (_gate_up_kernel, {**MOE_TILES, "READ_HOST": True}, 8),
+    "down": (_down_kernel, {**MOE_TILES, "READ_HOST": False}, 8),
+    "one_program": (_align_one_program_kernel, {"BLOCK_M": 16, "EXPERTS_PAD": 128, "TILE": 64}, 8),
+    "count": (_count_kernel, {"EXPERTS_PAD": 128, "TILE": 64}, 8),
+    "scatter": (_scatter_kernel, {"BLOCK_M": 128, "EXPERTS_PAD": 128, "TILE": 64, "PREFIX_ROWS": 32}, 8),
+    "scan": (_scan_kernel, {"BLOCK_M": 128, "EXPERTS_PAD": 128, "SCAN_ROWS": 128}, 8),
+    "scatter_scanned": (_scatter_scanned_kernel, {"BLOCK_M": 128, "EXPERTS_PAD": 128, "TILE": 64}, 8),
+    "atomic_count": (_atomic_count_kernel, ATOMIC_COUNT, 4),
+    "atomic_scatter": (_atomic_scatter_kernel, {"TILE": 256}, 4),
+    "topk_sum": (_topk_sum_kernel, {"TOP_K": 8, "BLOCK_D": 1024}, 8),
+}
+
+
+@pytest.mark.parametrize("name", list(CHAINED))
+def test_chained_kernels_let_the_next_launch_and_wait_for_the_grid_before_them(name, tmp_path, monkeypatch):
+    """With `USE_PDL` every kernel of the op compiles for sm_90 with both grid-dependency instructions
+    (`rimuru.ops.dependent_launch`), the wait before its first memory access."""
+    kernel, constexprs, num_warps = CHAINED[name]
+    ptx = compile_sm90(kernel, {**constexprs, "USE_PDL": True}, num_warps, tmp_path, monkeypatch, num_stages=3)
+    assert all(op in ptx for op in GRID_DEPENDENCY)
+    first_access = re.search(r"\b(?:ld|st|atom|red)\.global", ptx)
+    assert first_access is None or ptx.index("griddepcontrol.wait") < first_access.start()
 
 
 def test_atomic_sort_kernels_compile_with_their_orderings(tmp_path, monkeypatch):
     """The counts are relaxed reductions, the ticket and the last program's reads of the counts acquire-release;
     the scatter's row claims relaxed atomics."""
-    count = compile_sm90(_atomic_count_kernel, {"BLOCK_M": 128, "EXPERTS_PAD": 128, "TILE": 256, "BLOCKS_TILE": 32},
-                         4, tmp_path, monkeypatch)  # fmt: skip
+    count = compile_sm90(_atomic_count_kernel, ATOMIC_COUNT, 4, tmp_path, monkeypatch)
     assert memory_ops(count) == {"red.global.gpu.relaxed.add.u32", "atom.global.gpu.acq_rel.add.u32"}
-    scatter = compile_sm90(_atomic_scatter_kernel, {"TILE": 256}, 4, tmp_path, monkeypatch)
+    scatter = compile_sm90(_atomic_scatter_kernel, {"TILE": 256, "USE_PDL": False}, 4, tmp_path, monkeypatch)
     assert memory_ops(scatter) == {"atom.global.gpu.relaxed.add.u32"}
