@@ -171,9 +171,8 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
             outputs[label] = whole().float()
     ref = outputs["torch_sum"]
     row["op_rel_diff_vs_torch_sum"] = ((outputs["triton_sum"] - ref).norm() / ref.norm()).item()
-    if row["align_us"]:
-        time_atomic_sort(row, hidden, pool, table, ids, weights, shape, cfg, smoke)
-    time_dependent_launches(row, hidden, pool, table, ids, weights, shape, cfg, smoke)
+    for key in OP_CHOICES if row["align_us"] else ("PDL",):
+        time_op_choice(row, key, hidden, pool, table, ids, weights, shape, cfg, smoke)
     if num_tokens in LAYER_CALLS_M or smoke:
         time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s)
     pieces = row["align_us"] + row["casts_us"] + row["gemms_us"] + row["sum_torch_us"]
@@ -182,29 +181,24 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
     return row
 
 
-def time_atomic_sort(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
-    """The op with the atomic sort (`ATOMIC_SORT`) and without it, whichever the tuned table wires into `op_us`,
-    and whether the two give exactly the same values."""
-    def op(atomic_sort):
-        cfg_now = {**cfg, "ATOMIC_SORT": atomic_sort}
+# the config keys the op is timed with on and off: (on, off, whether both give exactly the same values)
+OP_CHOICES = {
+    "ATOMIC_SORT": ("op_atomic_sort_us", "op_counted_sort_us", "atomic_sort_equal"),  # where the op sorts
+    "PDL": ("op_pdl_us", "op_plain_launch_us", "pdl_equal"),  # where the device cannot, both are the plain op
+}
+
+
+def time_op_choice(row, key, hidden, pool, table, ids, weights, shape, cfg, smoke):
+    """The op with the config's `key` on and off, whichever the tuned table wires into `op_us`, and whether the two
+    give exactly the same values (`OP_CHOICES` names the fields)."""
+    def op(on):
+        cfg_now = {**cfg, key: on}
         return lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"], cfg_now)
 
-    row["op_atomic_sort_us"] = time_graph_us(op(True), smoke)
-    row["op_counted_sort_us"] = time_graph_us(op(False), smoke)
-    row["atomic_sort_equal"] = bool(torch.equal(op(True)(), op(False)()))
-
-
-def time_dependent_launches(row, hidden, pool, table, ids, weights, shape, cfg, smoke):
-    """The op with every launch dependent on the one before it (`PDL`, `rimuru.ops.dependent_launch`) and without,
-    whichever the tuned table wires into `op_us`, and whether the two give exactly the same values (where the device
-    cannot launch dependent, both are the plain op)."""
-    def op(pdl):
-        cfg_now = {**cfg, "PDL": pdl}
-        return lambda: paged_moe_triton(hidden, pool, table, ids, weights, shape["F"], cfg_now)
-
-    row["op_pdl_us"] = time_graph_us(op(True), smoke)
-    row["op_plain_launch_us"] = time_graph_us(op(False), smoke)
-    row["pdl_equal"] = bool(torch.equal(op(True)(), op(False)()))
+    on_us, off_us, equal = OP_CHOICES[key]
+    row[on_us] = time_graph_us(op(True), smoke)
+    row[off_us] = time_graph_us(op(False), smoke)
+    row[equal] = bool(torch.equal(op(True)(), op(False)()))
 
 
 def time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s):

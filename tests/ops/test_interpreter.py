@@ -48,6 +48,7 @@ def test_moe_breakdown_runs(tmp_path):
     assert len(rows) == 3 and all(r["casts_noop"] and r["op_rel_diff_vs_torch_sum"] < 1e-6 for r in rows)
     assert [r["atomic_sort_equal"] for r in rows if "op_atomic_sort_us" in r] == [True, True]  # M = 3 and 70 sort
     assert all(r["op_counted_sort_us"] > 0 for r in rows if "op_atomic_sort_us" in r)
+    assert all(r["pdl_equal"] and r["op_pdl_us"] > 0 and r["op_plain_launch_us"] > 0 for r in rows)
     assert [r["M"] for r in rows if "pair_block_gemms_us" in r] == [3]
 
 
