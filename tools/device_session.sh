@@ -16,6 +16,8 @@
 #   cp docs/benchmarks/qwen3-30b-a3b-skew1-expert_ranking.json .bench/qwen3-30b-a3b/expert_ranking.json
 # Jobs:
 #   gputests  every @pytest.mark.gpu test (ops, models, engine: CUDA graphs against eager); GPUTESTS=paths narrows it
+#   tunewide  retune Qwen3's M = 1024 over a wider tile space (BLOCK_K 128, BLOCK_N 256, 5 stages) into
+#             $OUT/NVIDIA_H200.json (a copy; ~5 min)
 #   kernels   the split-KV decode attention sweep and the top-k sum (docs/benchmarks/kernels.md)
 #   breakdown the MoE op piece by piece under CUDA graphs, M = 1..4096 (bench_kernels.py --breakdown, ~1 min)
 #   decodesweep  the decode attention variants against the general kernel (sweep_decode_attention.py, ~1.5 min)
@@ -96,6 +98,12 @@ tunelarge() {  # compare with ops/configs/NVIDIA_H200.json; copy it back here to
   cp ops/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
   timeout 480 python tools/tune_kernels.py --budget-s 420 --m 512 1024 2048 4096 --out "$OUT/NVIDIA_H200.json" \
     2>&1 | tee "$OUT/tunelarge.txt" | tail -10
+}
+
+tunewide() {  # Qwen3's M = 1024 over the wider large-M space (`tune_kernels.search_space`, wide), ~5 min
+  cp ops/configs/NVIDIA_H200.json "$OUT/NVIDIA_H200.json"
+  timeout 480 python tools/tune_kernels.py --budget-s 420 --models qwen3-30b-a3b --m 1024 --wide \
+    --out "$OUT/NVIDIA_H200.json" 2>&1 | tee "$OUT/tunewide.txt" | tail -4
 }
 
 kernels() {

@@ -29,12 +29,15 @@ from rimuru.ops.paged_moe import launch_down, launch_gate_up, paged_moe_triton
 PAIR_LAYOUT_MAX_TOKENS = 16  # up to here the op is also timed one M block a pair (no sort): `PAIR_BLOCKS`
 
 
-def search_space(tokens_per_expert):
-    """(BLOCK_M values, kernel tile configs) for a load: decode is bandwidth bound, large M compute bound."""
+def search_space(tokens_per_expert, wide: bool = False):
+    """(BLOCK_M values, kernel tile configs) for a load: decode is bandwidth bound, large M compute bound. `wide`
+    (large M only): BLOCK_K 128, BLOCK_N 256 and 5 stages too, over the two program orders that won before."""
     if tokens_per_expert <= 4:  # weight streaming: narrow N tiles give more programs (88 at BLOCK_N 64, Qwen1.5 M=1)
         block_ms, tiles = [16], itertools.product([16, 32, 64], [128, 256], [2, 4], [3, 4, 6])
     elif tokens_per_expert <= 48:
         block_ms, tiles = [16, 32, 64], itertools.product([64, 128], [64, 128], [4, 8], [3])
+    elif wide:  # the down GEMM at Qwen3's M = 1024 moved 3.3 TB/s where gate/up moved 3.5 (6cc8d03)
+        block_ms, tiles = [128], itertools.product([64, 128, 256], [64, 128], [4, 8], [3, 4, 5], [0, 8])
     else:  # GROUP_M: the program order (`paged_moe._tile_ids`); 0 is M blocks fastest (8 won the down GEMM at
         # M = 1024-4096 on the H200 and lost gate/up at 4096 to 0, 7ed62cc: 4 and 16 lie between)
         block_ms, tiles = [64, 128], itertools.product([64, 128], [64], [4, 8], [3, 4], [0, 4, 8, 16, 32])
@@ -59,7 +62,8 @@ def stored_tiles(stored):
     return {k: entry[k] for k in keys}, {k: entry.get(f"DOWN_{k}", entry[k]) for k in keys}
 
 
-def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch.bfloat16, smoke=False):
+def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch.bfloat16, smoke=False,
+               wide=False):  # fmt: skip
     """(ms, config) of the best BLOCK_M and per-kernel tiles; `stored` (the table's entry) competes too."""
     pool, table = pools[0], pools[1]
     ids, weights = routing(num_tokens, shape, device, seed=num_tokens)
@@ -67,7 +71,7 @@ def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch
     num_pairs = ids.numel()
     act = torch.empty(num_pairs, shape["F"], device=device, dtype=dtype)
     out = torch.empty(num_pairs, shape["D"], device=device, dtype=dtype)
-    block_ms, tiles = search_space(num_pairs / shape["E"])
+    block_ms, tiles = search_space(num_pairs / shape["E"], wide)
     tiles = tiles[:2] if smoke else tiles
     if stored and stored["BLOCK_M"] not in block_ms:
         block_ms = block_ms + [stored["BLOCK_M"]]
@@ -111,6 +115,7 @@ def main():
     parser.add_argument("--m", nargs="*", type=int, default=M_VALUES, help="the M buckets to (re)tune")
     parser.add_argument("--out", help="table to update (default: ops/configs/<GPU name>.json; none with --smoke)")
     parser.add_argument("--smoke", action="store_true", help="CPU logic check under TRITON_INTERPRET=1, tiny shape")
+    parser.add_argument("--wide", action="store_true", help="a wider tile space at large M (`search_space`)")
     args = parser.parse_args()
     deadline = time.monotonic() + args.budget_s
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
@@ -125,7 +130,7 @@ def main():
                 print(f"budget spent: {name} stops before M={m}")
                 continue
             buckets = table.setdefault(f"E={shape['E']},F={shape['F']},D={shape['D']}", {})
-            ms, cfg = tune_point(shape, m, pools[name], buckets.get(str(m)), device, dtype, args.smoke)
+            ms, cfg = tune_point(shape, m, pools[name], buckets.get(str(m)), device, dtype, args.smoke, args.wide)
             print(f"{name} M={m}: {ms * 1e3:.1f} us (was {buckets.get(str(m))}) {cfg}", flush=True)
             buckets[str(m)] = cfg
             if path:

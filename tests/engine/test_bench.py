@@ -253,3 +253,16 @@ def test_the_queue_simulation_serves_every_request_and_a_full_reserve_never_pree
     assert tight["output_tokens"] == reserved["output_tokens"] == roomy["output_tokens"] == sum(
         r["max_tokens"] for r in stream)
     assert roomy["ttft_mean_s"] < tight["ttft_mean_s"]
+
+
+def test_the_wide_tile_space_adds_larger_tiles_at_large_m_only():
+    """`tools/tune_kernels.py --wide`: at large M the space also holds BLOCK_K 128, BLOCK_N 256 and 5 stages (over
+    BLOCK_M 128 and two program orders); decode's space is the same either way."""
+    import tune_kernels
+
+    block_ms, tiles = tune_kernels.search_space(64, wide=True)
+    assert block_ms == [128] and len(tiles) == 72
+    assert {t["BLOCK_K"] for t in tiles} == {64, 128} and max(t["BLOCK_N"] for t in tiles) == 256
+    assert {t["GROUP_M"] for t in tiles} == {0, 8} and max(t["num_stages"] for t in tiles) == 5
+    assert len(tune_kernels.search_space(64)[1]) == 40
+    assert tune_kernels.search_space(1, wide=True) == tune_kernels.search_space(1)
