@@ -113,7 +113,7 @@ def _submit(engine: Engine, request: dict, clock: _Clock, now: float) -> None:
 # the cost rule's inputs and decision each step: what `tools/plot_bench.py` draws as the rule's view
 SERIES_ESTIMATES = ("cost_affordable_evictions", "cost_calibration", "cost_predicted_copy_ms", "cost_measured_copy_ms",
                     "cost_next_eviction_ms", "cost_compute_ms", "cost_tokens_per_step", "cost_running",
-                    "cost_requests_per_expert")  # fmt: skip
+                    "cost_requests_per_expert", "cost_profitable_this_refresh")  # fmt: skip
 
 
 def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:

@@ -308,6 +308,7 @@ class CostAdjuster:
         self._all_nominees_passed = profitable == len(costs) == MAX_NOMINEES
         self._affordable = self._vote(int(on_host.sum()), profitable, len(costs))
         self.estimates = self._estimates(host_shares, predicted, scale, gained, costs[0] if costs else 0.0)
+        self.estimates["cost_profitable_this_refresh"] = profitable  # beside the majority's `_affordable`
 
     def _vote(self, on_host: int, profitable: int, nominees: int) -> int:
         """Record this refresh's vote (the host count it finds profitable; unbounded when every nominee weighed

@@ -103,6 +103,9 @@ def plot_cost_rule(records, out_dir: str) -> list[str]:
         link.set(ylabel="link ms a step", title=f"The cost rule's view: {label} (rate {record.get('rate')})")
         counts.plot(t, [s["offloaded_experts"] for s in series], label="experts on the host")
         counts.plot(t, [s["cost_affordable_evictions"] for s in series], label="profitable evictions left")
+        if "cost_profitable_this_refresh" in series[0]:  # records since the vote: what one refresh alone found
+            counts.plot(t, [s["cost_profitable_this_refresh"] for s in series], label="...by the last refresh alone",
+                        linestyle=":", linewidth=0.8)  # fmt: skip
         counts.set(ylabel="experts")
         if inputs:
             pays = [s["cost_compute_ms"] * s["cost_requests_per_expert"] / max(s["cost_running"], 1e-9) for s in series]

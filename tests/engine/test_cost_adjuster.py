@@ -137,6 +137,14 @@ def test_evictions_need_a_majority_of_recent_refreshes():
 
     alternating = [1.0, 1e15] * 4
     assert evictions(alternating, votes=1) == 4 * 3 and evictions(alternating, votes=8) == 0
+    popularity = ExpertPopularity(ExpertRanking({0: (0.4, 0.3, 0.2, 0.1)}), 4)
+    adjuster = CostAdjuster(popularity, 2, fake_store({0: set()}), top_k=1)
+    for bandwidth in (1.0, 1e15):  # the estimates show both: this refresh alone finds 2, the majority none
+        adjuster.cost.pin(bandwidth=bandwidth, compute_s=1e-2, tokens_per_step=1.0, running=10.0,
+                          kv_pages_per_request=3.0)  # fmt: skip
+        adjuster.refresh()
+    assert adjuster.estimates["cost_profitable_this_refresh"] == 2
+    assert adjuster.estimates["cost_affordable_evictions"] == 0
     assert evictions([1.0, 1e15, 1e15], votes=8) == 3
     assert lower_median([3, 0]) == 0 and lower_median([0, 3, 5]) == 3 and lower_median([math.inf, 2]) == 2
 
