@@ -16,6 +16,7 @@ Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs)
   op_atomic_sort  (where the op sorts) the op with the atomic sort (`ATOMIC_SORT`), op_counted_sort without it (one
                 of the two is `op`, as the table says); atomic_sort_equal: both give exactly the same values
   op_pdl        the op with every launch dependent on the one before it (`PDL`), op_plain_launch without; pdl_equal
+  op_l2_hints   the op with the GEMMs' L2 eviction hints (`L2_HINTS`), op_no_hints without; l2_hints_equal
   op_layers     (M = 1 and 8) the op's share of a graph of 8 calls over 8 expert pools, as a step's graph holds it
                 (the replay paid once, no weights shared in L2); at M = 1 also as a share of the copy rate
   unexplained   op_torch_sum - (align + gemms + sum_torch) + 2 * floor   (three pieces paid one floor each, the op one;
@@ -171,7 +172,7 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
             outputs[label] = whole().float()
     ref = outputs["torch_sum"]
     row["op_rel_diff_vs_torch_sum"] = ((outputs["triton_sum"] - ref).norm() / ref.norm()).item()
-    for key in OP_CHOICES if row["align_us"] else ("PDL",):
+    for key in OP_CHOICES if row["align_us"] else ("PDL", "L2_HINTS"):
         time_op_choice(row, key, hidden, pool, table, ids, weights, shape, cfg, smoke)
     if num_tokens in LAYER_CALLS_M or smoke:
         time_layer_calls(row, hidden, ids, weights, pools, shape, device, dtype, smoke, copy_tb_per_s)
@@ -185,6 +186,7 @@ def breakdown_point(name, shape, num_tokens, pools, device, dtype, smoke, copy_t
 OP_CHOICES = {
     "ATOMIC_SORT": ("op_atomic_sort_us", "op_counted_sort_us", "atomic_sort_equal"),  # where the op sorts
     "PDL": ("op_pdl_us", "op_plain_launch_us", "pdl_equal"),  # where the device cannot, both are the plain op
+    "L2_HINTS": ("op_l2_hints_us", "op_no_hints_us", "l2_hints_equal"),  # the GEMMs' L2 eviction hints
 }
 
 
@@ -248,6 +250,8 @@ def print_row(r, header=False):
     if "op_pdl_us" in r:
         paths += (f" | op, dependent / plain launches:{r['op_pdl_us']:.1f} / {r['op_plain_launch_us']:.1f}"
                   f"{'' if r['pdl_equal'] else ' (DIFFERS)'}")
+        paths += (f" | op, L2 hints / none:{r['op_l2_hints_us']:.1f} / {r['op_no_hints_us']:.1f}"
+                  f"{'' if r['l2_hints_equal'] else ' (DIFFERS)'}")
     if "pair_block_gemms_us" in r:
         paths += f" | pair-block gemms:{r['pair_block_gemms_us']:.1f}"
         paths += f" | op sorted / pair blocks:{r['op_pair_blocks_false_us']:.1f} / {r['op_pair_blocks_true_us']:.1f}"

@@ -7,10 +7,12 @@ kernels share it) and, for each, times the gate/up and the down kernel separatel
 (BLOCK_N, BLOCK_K, num_warps, num_stages, and at large M the program order GROUP_M); the best pair is stored, the
 down kernel's tiles as DOWN_* keys. Up to 16 tokens the whole op is then timed sorted and one M block a pair, and
 `PAIR_BLOCKS` stores which won; where the op sorts, `ATOMIC_SORT` stores whether the atomic sort beat count and
-scatter; at every M, `PDL` whether dependent launches beat plain ones. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool pages. A bucket left
-when the budget runs out is simply not stored (the lookup then falls back to the nearest tuned M, then to the
-heuristic). `--m` retunes only the buckets named (the others stay as the table has them); a bucket's stored tiles
-compete with the search space, so a retune never stores anything slower than what it measured for them.
+scatter; at every M, `PDL` whether dependent launches beat plain ones and `L2_HINTS` whether the GEMMs' L2
+eviction hints beat none. Times are medians of CUDA events (triton.testing.do_bench) on experts at shuffled pool
+pages. A bucket left when the budget runs out is simply not stored (the lookup then falls back to the nearest tuned
+M, then to the heuristic). `--m` retunes only the buckets named (the others stay as the table has them); a
+bucket's stored tiles compete with the search space, so a retune never stores anything slower than what it measured
+for them.
 """
 
 import argparse
@@ -94,6 +96,7 @@ def tune_point(shape, num_tokens, pools, stored=None, device="cuda", dtype=torch
         cfg["ATOMIC_SORT"] = op_choice_wins("ATOMIC_SORT", hidden, pool, table, ids, weights, shape["F"], cfg)
     if not smoke:
         cfg["PDL"] = op_choice_wins("PDL", hidden, pool, table, ids, weights, shape["F"], cfg)
+        cfg["L2_HINTS"] = op_choice_wins("L2_HINTS", hidden, pool, table, ids, weights, shape["F"], cfg)
     return ms, cfg
 
 
@@ -101,7 +104,7 @@ def op_choice_wins(key, hidden, pool, table, ids, weights, num_features, cfg) ->
     """Whether the whole op is faster with the config's `key` on than off, as 8 calls in a CUDA graph (what a step's
     graph holds). `PAIR_BLOCKS`: one M block a pair against sorted (the sort's launch against an expert two pairs
     share read twice); `ATOMIC_SORT`: the atomic sort against the count-and-scatter one; `PDL`: every launch
-    dependent on the one before it against plain launches."""
+    dependent on the one before it against plain launches; `L2_HINTS`: the GEMMs' eviction hints against none."""
     def op(on):
         return lambda: paged_moe_triton(hidden, pool, table, ids, weights, num_features, {**cfg, key: on})
 

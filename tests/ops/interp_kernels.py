@@ -287,6 +287,13 @@ def test_dependent_launches_are_plain_where_the_device_cannot_take_them():
     assert torch.equal(paged_moe_triton(*case.args(), config={**SMALL, "PDL": True}), plain)
 
 
+def test_l2_hints_change_no_value():
+    """`L2_HINTS` (the GEMMs' eviction hints) gives the op's values exactly."""
+    case = moe_case(70, 8, 2, num_features=40, hidden_size=72, seed=6)
+    plain = paged_moe_triton(*case.args(), config=SMALL)
+    assert torch.equal(paged_moe_triton(*case.args(), config={**SMALL, "L2_HINTS": True}), plain)
+
+
 @pytest.mark.parametrize("chunk", [16, 32, 128])
 @pytest.mark.parametrize("scan", [False, True])
 def test_align_tokens_count_and_scatter_at_every_chunk_size(chunk, scan):

@@ -59,7 +59,8 @@ def memory_ops(ptx: str) -> set[str]:
     return {m.group(0) for m in re.finditer(r"\b(?:atom|red)\.[\w.]+", ptx)}
 
 
-MOE_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PAIR_BLOCKS": False, "GROUP_M": 8, "USE_PDL": False}
+MOE_TILES = {"BLOCK_M": 128, "BLOCK_N": 128, "BLOCK_K": 64, "PAIR_BLOCKS": False, "GROUP_M": 8, "USE_PDL": False,
+             "WEIGHT_EVICT": "", "ROW_EVICT": ""}
 ATOMIC_COUNT = {"BLOCK_M": 128, "EXPERTS_PAD": 128, "TILE": 256, "BLOCKS_TILE": 32, "USE_PDL": False}
 GRID_DEPENDENCY = ("griddepcontrol.launch_dependents", "griddepcontrol.wait")
 
@@ -69,6 +70,19 @@ def test_down_kernel_compiles_without_atomics(read_host, tmp_path, monkeypatch):
     """Each output row has one writer: the down kernel stores plainly, no atomics (and, off, no grid waits)."""
     ptx = compile_sm90(_down_kernel, {**MOE_TILES, "READ_HOST": read_host}, 8, tmp_path, monkeypatch, num_stages=3)
     assert memory_ops(ptx) == set() and not any(op in ptx for op in GRID_DEPENDENCY)
+
+
+@pytest.mark.parametrize("kernel", [_gate_up_kernel, _down_kernel])
+def test_the_gemms_l2_hints_reach_the_ptx(kernel, tmp_path, monkeypatch):
+    """`L2_HINTS`: L2 policies of both kinds (the weights' loads evict first, the token rows' evict last), and the
+    output rows' stores carry one; without the key, no policy at all."""
+    hints = {**MOE_TILES, "READ_HOST": False, "WEIGHT_EVICT": "evict_first", "ROW_EVICT": "evict_last"}
+    ptx = compile_sm90(kernel, hints, 8, tmp_path, monkeypatch, num_stages=3)
+    policies = set(re.findall(r"createpolicy\.fractional\.(L2::evict_\w+)", ptx))
+    assert policies == {"L2::evict_first", "L2::evict_last"}
+    assert re.search(r"ld\.global\.[\w:.]*L2::cache_hint", ptx) and re.search(r"st\.global\.[\w:.]*L2::cache_hint", ptx)
+    plain = compile_sm90(kernel, {**MOE_TILES, "READ_HOST": False}, 8, tmp_path / "plain", monkeypatch, num_stages=3)
+    assert "createpolicy" not in plain and "cache_hint" not in plain
 
 
 CHAINED = {  # every kernel of the op, with the constexprs of a Qwen3-sized launch

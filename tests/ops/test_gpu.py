@@ -176,16 +176,17 @@ def test_the_op_with_the_atomic_sort_gives_the_same_values_bf16(num_tokens):
                                     expected)  # fmt: skip
 
 
-PDL_PATHS = [(1, {}), (4, {"PAIR_BLOCKS": False}), (64, {"PAIR_BLOCKS": False}), (1024, {"ATOMIC_SORT": False}),
-             (1024, {"ATOMIC_SORT": True}), (4096, {"ATOMIC_SORT": False})]  # pair blocks, each sort path
+OP_PATHS = [(1, {}), (4, {"PAIR_BLOCKS": False}), (64, {"PAIR_BLOCKS": False}), (1024, {"ATOMIC_SORT": False}),
+            (1024, {"ATOMIC_SORT": True}), (4096, {"ATOMIC_SORT": False})]  # pair blocks, each sort path
 
 
-@pytest.mark.parametrize("num_tokens,extra", PDL_PATHS)
-def test_the_op_with_dependent_launches_gives_the_same_values_bf16(num_tokens, extra):
-    """`PDL`: every launch of the op dependent on the one before it, each kernel waiting for the grid before it
-    first; exactly the plain op's values eagerly and replayed from a graph, over one block a pair and every sort
-    (one program, count and scatter, with the scan, atomic), Qwen3-30B-A3B's expert shape. On sm_90 the launches
-    really are dependent (the Triton there has the launch option)."""
+@pytest.mark.parametrize("key", ["PDL", "L2_HINTS"])
+@pytest.mark.parametrize("num_tokens,extra", OP_PATHS)
+def test_the_op_with_dependent_launches_or_l2_hints_gives_the_same_values_bf16(num_tokens, extra, key):
+    """`PDL` (every launch of the op dependent on the one before it, each kernel waiting for the grid before it
+    first) and `L2_HINTS` (the GEMMs' eviction hints): exactly the plain op's values eagerly and replayed from a
+    graph, over one block a pair and every sort (one program, count and scatter, with the scan, atomic), Qwen3-30B-
+    A3B's expert shape. On sm_90 the launches really are dependent (the Triton there has the launch option)."""
     from rimuru.ops.configs import moe_config
     from rimuru.ops.dependent_launch import pdl_supported
     from rimuru.ops.paged_moe import paged_moe_triton
@@ -194,8 +195,8 @@ def test_the_op_with_dependent_launches_gives_the_same_values_bf16(num_tokens, e
     seed = int(torch.randint(0, 1 << 30, ()))
     case = moe_case(num_tokens, 128, 8, 768, 2048, torch.bfloat16, "cuda", seed)
     cfg = {**moe_config(num_tokens, 128, 768, 2048, 8, "cuda"), **extra}
-    expected = paged_moe_triton(*case.args(), config={**cfg, "PDL": False})
-    assert_equal_eager_and_replayed(lambda: paged_moe_triton(*case.args(), config={**cfg, "PDL": True}), expected)
+    expected = paged_moe_triton(*case.args(), config={**cfg, key: False})
+    assert_equal_eager_and_replayed(lambda: paged_moe_triton(*case.args(), config={**cfg, key: True}), expected)
 
 
 @pytest.mark.parametrize("num_tokens,top_k,hidden_size", [(1, 8, 2048), (4096, 8, 2048), (777, 4, 2048), (9, 6, 136)])

@@ -49,6 +49,7 @@ def test_moe_breakdown_runs(tmp_path):
     assert [r["atomic_sort_equal"] for r in rows if "op_atomic_sort_us" in r] == [True, True]  # M = 3 and 70 sort
     assert all(r["op_counted_sort_us"] > 0 for r in rows if "op_atomic_sort_us" in r)
     assert all(r["pdl_equal"] and r["op_pdl_us"] > 0 and r["op_plain_launch_us"] > 0 for r in rows)
+    assert all(r["l2_hints_equal"] and r["op_l2_hints_us"] > 0 and r["op_no_hints_us"] > 0 for r in rows)
     assert [r["M"] for r in rows if "pair_block_gemms_us" in r] == [3]
 
 
