@@ -306,15 +306,15 @@ class CostAdjuster:
         exposed = (exposed_seconds(seconds, hidden) for seconds in link)
         profitable = profitable_evictions(c.compute_s, c.running, gained, exposed, t.eviction_band)
         self._all_nominees_passed = profitable == len(costs) == MAX_NOMINEES
-        self._affordable = self._vote(int(on_host.sum()), profitable, len(costs))
-        self.estimates = self._estimates(host_shares, predicted, scale, gained, costs[0] if costs else 0.0)
-        self.estimates["cost_profitable_this_refresh"] = profitable  # beside the majority's `_affordable`
+        self._affordable = self._vote(int(on_host.sum()), profitable, len(costs), self._all_nominees_passed)
+        self.estimates = self._estimates(host_shares, predicted, scale, gained, costs[0] if costs else 0.0,
+                                         profitable)  # fmt: skip
 
-    def _vote(self, on_host: int, profitable: int, nominees: int) -> int:
-        """Record this refresh's vote (the host count it finds profitable; unbounded when every nominee weighed
+    def _vote(self, on_host: int, profitable: int, nominees: int, unbounded: bool) -> int:
+        """Record this refresh's vote (the host count it finds profitable; `unbounded` when every nominee weighed
         passed: more may) and return the evictions the recent majority allows: the lower median vote above the
         experts on the host now, at most the nominees weighed."""
-        self._votes.append(math.inf if self._all_nominees_passed else on_host + profitable)
+        self._votes.append(math.inf if unbounded else on_host + profitable)
         agreed = lower_median(self._votes)
         return nominees if agreed == math.inf else max(0, min(nominees, int(agreed) - on_host))
 
@@ -327,9 +327,10 @@ class CostAdjuster:
         return on_host
 
     def _estimates(self, host_shares: torch.Tensor, predicted_s: float, scale: float, gained: float,
-                   next_eviction_s: float) -> dict[str, float]:  # fmt: skip
+                   next_eviction_s: float, profitable: int) -> dict[str, float]:  # fmt: skip
         """The model's view for `expert_stats`, the metrics and the dashboard: why the pool moved. `host_shares`:
-        the offloaded experts' routing shares."""
+        the offloaded experts' routing shares; `profitable`: what this refresh alone found, beside the majority's
+        `_affordable`."""
         c = self.cost
         touched = touch_probability(host_shares, c.tokens_per_step, self.top_k)  # each one's, in a step
         return {
@@ -343,6 +344,7 @@ class CostAdjuster:
             "cost_measured_copy_ms": (self.measured_copy_s or 0.0) * 1e3,
             "cost_calibration": scale,
             "cost_affordable_evictions": self._affordable,
+            "cost_profitable_this_refresh": profitable,
             "cost_next_eviction_ms": next_eviction_s * 1e3,
             "cost_touch_p_mean": float(touched.mean()) if len(touched) else 0.0,
             "cost_touch_p_max": float(touched.max()) if len(touched) else 0.0,
