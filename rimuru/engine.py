@@ -15,6 +15,7 @@ import torch
 from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds
+from rimuru.cuda_allocator import use_expandable_segments
 from rimuru.expert_manager import ExpertManager
 from rimuru.expert_placement import check_budget, initial_offload
 from rimuru.expert_ranking import find_ranking
@@ -44,6 +45,7 @@ class Engine:
         requested_max_model_len = config.max_model_len
         self.config = config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
         self.device = torch.device(config.device)
+        use_expandable_segments(self.device)  # before the weights: every segment the engine makes is expandable
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
         self.model_config = self.loaded.config
