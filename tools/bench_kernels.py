@@ -218,6 +218,9 @@ def main():
     parser.add_argument("--out", default="kernels.json")
     parser.add_argument("--smoke", action="store_true", help="CPU logic check under TRITON_INTERPRET=1")
     parser.add_argument("--skip-moe", action="store_true")
+    parser.add_argument("--skip-attention", action="store_true", help="the MoE points only")
+    parser.add_argument("--m", type=int, nargs="+", default=M_VALUES,
+                        help="the MoE points, timed in the order given (default 1, 2, 4, ..., 4096)")
     parser.add_argument("--breakdown", action="store_true", help="only the MoE op piece by piece (about a minute)")
     args = parser.parse_args()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
@@ -230,18 +233,21 @@ def main():
     copy = report.get("copy_tb_per_s")
     if args.breakdown:
         return write_breakdown(report, args.out, device, dtype, args.smoke, copy)
-    report["attention_decode"] = bench_attention(device, dtype, args.smoke, copy)
-    report["topk_sum"] = bench_topk_sum(device, dtype, args.smoke, copy)
-    with open(args.out, "w") as f:
-        json.dump(report, f, indent=1)
-    print_attention(report["attention_decode"], report["topk_sum"])
+    if not args.skip_attention:
+        report["attention_decode"] = bench_attention(device, dtype, args.smoke, copy)
+        report["topk_sum"] = bench_topk_sum(device, dtype, args.smoke, copy)
+        with open(args.out, "w") as f:
+            json.dump(report, f, indent=1)
+        print_attention(report["attention_decode"], report["topk_sum"])
     report["moe"] = []
     models = {"tiny": {"E": 6, "F": 40, "D": 72, "K": 2}} if args.smoke else MODELS
     for name, shape in ([] if args.skip_moe else models.items()):
         VLLM_GEMM_ONLY_MS.setdefault(name, {})
         pools = expert_pools(shape, device, dtype)
-        for m in (M_VALUES[:3] if args.smoke else M_VALUES):
+        for m in (args.m[:3] if args.smoke else args.m):
+            started = time.time()  # to match a clock log (`device_session.sh anchors`): large M heats the GPU
             report["moe"].append(bench_moe_point(name, shape, m, pools, device, dtype, args.smoke))
+            report["moe"][-1]["started_unix_s"] = started
             with open(args.out, "w") as f:  # partial results survive a time-out
                 json.dump(report, f, indent=1)
         del pools

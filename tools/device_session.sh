@@ -19,6 +19,10 @@
 #   tunewide  retune Qwen3's M = 1024 over a wider tile space (BLOCK_K 128, BLOCK_N 256, 5 stages) into
 #             $OUT/NVIDIA_H200.json (a copy; ~5 min)
 #   kernels   the split-KV decode attention sweep and the top-k sum (docs/benchmarks/kernels.md)
+#   anchors   the MoE op at the anchor points (M = 1, 8, 64, 256, 1024, 4096), large M first and then small M first,
+#             GPU clocks logged: $OUT/anchors-from-*.json, anchors-gpu-clocks.csv (~2 min)
+#   launch    the host's time to launch the MoE op eagerly beside its GPU time, PDL and L2 hints on and off
+#             (tools/bench_launch.py, M = 1, 4, 64; ~1 min)
 #   breakdown the MoE op piece by piece under CUDA graphs, M = 1..4096 (bench_kernels.py --breakdown, ~1 min)
 #   decodesweep  the decode attention variants against the general kernel (sweep_decode_attention.py, ~1.5 min)
 #   opsgpu    the @pytest.mark.gpu tests of tests/ops only (~2 min)
@@ -106,6 +110,23 @@ tunewide() {  # Qwen3's M = 1024 over the wider large-M space (`tune_kernels.sea
     --out "$OUT/NVIDIA_H200.json" 2>&1 | tee "$OUT/tunewide.txt" | tail -4
 }
 
+anchors() {  # the MoE sweep's anchor points large M first, then small M first, clocks logged (~2 min): does the
+  # order, through the GPU's clocks, move the large-M op times? (kernels.md: 780 us first in a row, 822-831 last)
+  local clocks; clocks=$(log_clocks "$OUT/anchors-gpu-clocks.csv")
+  for order in "4096 1024 256 64 8 1" "1 8 64 256 1024 4096"; do
+    local name="anchors-from-${order%% *}"
+    # shellcheck disable=SC2086
+    timeout 200 python tools/bench_kernels.py --skip-attention --m $order --out "$OUT/$name.json" > "$OUT/$name.txt" 2>&1
+    echo "-- $name rc=$?"; grep -A14 "^model M" "$OUT/$name.txt"
+  done
+  [ -n "$clocks" ] && kill "$clocks" 2> /dev/null
+}
+
+launch() {  # the host's time to launch the MoE op eagerly against the GPU's, PDL and L2 hints on and off (~1 min)
+  timeout 200 python tools/bench_launch.py --out "$OUT/launch.json" > "$OUT/launch.txt" 2>&1
+  echo "rc=$?"; tail -20 "$OUT/launch.txt"
+}
+
 kernels() {
   python tools/bench_kernels.py --skip-moe --out "$OUT/kernels_decode.json" > "$OUT/kernels_decode.txt" 2>&1
   tail -40 "$OUT/kernels_decode.txt"
@@ -137,6 +158,15 @@ serve() {
   kill -TERM $server; wait $server
 }
 
+# log_clocks FILE: SM and memory clocks, power and temperature every 0.5 s into FILE, in the background; prints the
+# logger's pid (nothing without nvidia-smi) for the caller to kill
+log_clocks() {
+  command -v nvidia-smi > /dev/null || return 0
+  nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
+    --format=csv -lms 500 > "$1" 2>&1 &
+  echo $!
+}
+
 # sweep NAME STREAM RANKING SKEW_FLAGS RUN...: one bench_sweep process (the checkpoint loaded once; BENCH_FLAGS go to
 # every run, e.g. "--time-limit-s 120"; REPEAT=2 runs the list twice in turn and prints each policy's spread), then
 # the throughput lines, and every record and log in $OUT/NAME.tar.gz (8 files at most come back)
@@ -145,12 +175,7 @@ sweep() {
   local dir="$OUT/$name" runs=() clocks=""
   for run in "$@"; do runs+=(--run "$run"); done
   mkdir -p "$dir"
-  if command -v nvidia-smi > /dev/null; then  # clocks, power and temperature every 0.5 s: does the first run in a
-    # process run faster because the GPU is cool (the later runs throttled), or because it is first?
-    nvidia-smi --query-gpu=timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active \
-      --format=csv -lms 500 > "$dir/gpu-clocks.csv" 2>&1 &
-    clocks=$!
-  fi
+  clocks=$(log_clocks "$dir/gpu-clocks.csv")  # does the first run in a process run faster because the GPU is cool?
   python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$ranking" --repeat "${REPEAT:-1}" \
     --common "--stream $stream --rate $RATE --gpu-memory-budget $BUDGET $skew --max-num-batched-tokens 2048 --quiet ${DUMMY[*]} ${BENCH_FLAGS:-}" \
     --profile "${DUMMY[*]} $skew --workload $stream --num-prompts 64 --max-tokens 8 --expert-policy resident" "${runs[@]}"

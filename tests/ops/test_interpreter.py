@@ -36,6 +36,35 @@ def test_direct_reads_benchmark_runs_and_matches_resident(tmp_path):
     assert len(rows) == 4 and all(r["equal_to_resident"] for r in rows)
 
 
+def test_kernel_sweep_times_the_points_in_the_order_given(tmp_path):
+    """`tools/bench_kernels.py --smoke --skip-attention --m 8 1`: large M first (the `anchors` job), each row
+    stamped with its start so a clock log can be matched, and the paged GEMMs equal the identity-table ones."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "kernels.json"
+    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_kernels.py"), "--smoke", "--skip-attention",
+           "--m", "8", "1", "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    report = json.loads(out.read_text())
+    rows = report["moe"]
+    assert [r["M"] for r in rows] == [8, 1] and "attention_decode" not in report
+    assert rows[0]["started_unix_s"] <= rows[1]["started_unix_s"]
+    assert rows[1]["paged_equals_identity"] and rows[1]["rel_err_vs_fp32_ref"] < 1e-5
+
+
+def test_launch_benchmark_runs(tmp_path):
+    """`tools/bench_launch.py --smoke`: the host time of the GEMMs and of the op, for every config variant."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "launch.json"
+    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_launch.py"), "--smoke", "--m", "1", "--out", str(out)]
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["table", "no PDL", "no L2 hints"]
+    assert all(r["gemms_host_us"] > 0 and r["op_host_us"] > 0 for r in rows)
+    assert [r["config"].get("PDL", False) for r in rows][1] is False
+
+
 def test_moe_breakdown_runs(tmp_path):
     """`tools/bench_kernels.py --breakdown --smoke`: every piece is timed and the Triton top-k sum equals torch's."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
