@@ -258,7 +258,9 @@ def test_atomic_sort_lays_out_the_same_runs(num_pairs, num_experts, block_m):
 
 def test_the_op_over_runs_in_another_order_gives_the_same_values():
     """What the atomic sort relies on: the op's output does not depend on the order of the pairs inside a run (each
-    GEMM row is computed alone). The pairs of every run reversed, against the sorted layout: equal, exactly."""
+    GEMM row is computed alone). The pairs of every run reversed, against the sorted layout: equal to the rounding.
+    The interpreter's `tl.dot` is numpy's matmul, whose rounding of a row can depend on the row's place in the tile
+    (3e-7 apart with numpy 2.4 on an AMD EPYC); the GPU test of the atomic sort checks the values exactly."""
     from rimuru.ops.paged_moe import moe_gemms
 
     case = moe_case(70, 8, 2, num_features=40, hidden_size=72, seed=4)
@@ -273,7 +275,7 @@ def test_the_op_over_runs_in_another_order_gives_the_same_values():
     args = (case.hidden, case.expert_view, case.page_table, case.topk_weights.reshape(-1))
     one = moe_gemms(*args, sorted_ids, block_expert, num_padded, 40, SMALL)
     other = moe_gemms(*args, reversed_ids, block_expert, num_padded, 40, SMALL)
-    assert torch.equal(one, other)
+    torch.testing.assert_close(one, other, rtol=1e-6, atol=1e-6)  # a pair in the wrong row would be O(1) off
 
 
 def test_dependent_launches_are_plain_where_the_device_cannot_take_them():
