@@ -142,7 +142,7 @@ def _counters(engine: Engine) -> dict:
     """The engine's running totals, so a record counts only its own run (not a warm-up before it)."""
     return {"forward_steps": engine.num_steps, "graph_steps": engine.runner.num_graph_steps,
             "adjuster_seconds": engine.adjuster_seconds,
-            "preemptions": engine.scheduler.num_preemptions,
+            "preemptions": engine.scheduler.num_preemptions, "refusals": engine.scheduler.num_refusals,
             "experts": engine.expert_manager.stats_dict()}  # fmt: skip  # counters only, not the pool's gauges
 
 
@@ -167,6 +167,7 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
         "forward_steps": engine.num_steps - before["forward_steps"],
         "graph_steps": engine.runner.num_graph_steps - before["graph_steps"],  # of those, CUDA graph replays
         "preemptions": engine.scheduler.num_preemptions - before["preemptions"],
+        "admission_refusals": engine.scheduler.num_refusals - before["refusals"],  # rounds the forecast said wait
         "evictions": experts["evictions"],
         "additions": experts["additions"],
         "swaps": experts["swaps"],

@@ -58,11 +58,9 @@ class EngineConfig:
     # 40 GiB 1,051 against 855 tok/s (copies at 593cf27, another machine). All at router skew 1.0
     expert_reads: str = "direct"
     cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: the same path)
-    # steps that mix prefill chunks and decodes (up to 2048 tokens) as graph replays too (with cuda_graphs); None: on
-    # for elastic, whose pool pays their larger graph memory pool with expert pages (H200, paper scenario at 10/s:
-    # 1.24x throughput, mean TTFT 2.36 -> 0.06 s), off for resident and fixed, whose KV share it would shrink
-    # (resident: 455 MB less pool, 0.92x)
-    mixed_cuda_graphs: bool | None = None
+    # steps that mix prefill chunks and decodes (up to 2048 tokens) as graph replays too (with cuda_graphs): their
+    # memory pool is profiled at start-up and taken from the pool (docs/benchmarks/vs-vllm.md)
+    mixed_cuda_graphs: bool = True
     seed: int = 0
     progress: bool = True
 
@@ -78,8 +76,7 @@ class EngineConfig:
         return count
 
     def resolve(self, max_position_embeddings: int, checkpoint_dtype: torch.dtype) -> "EngineConfig":
-        """A copy with device, dtype, budget, max_model_len and mixed_cuda_graphs filled in; raises ValueError on bad
-        values."""
+        """A copy with device, dtype, budget and max_model_len filled in; raises ValueError on bad values."""
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = self.dtype or (checkpoint_dtype if torch.device(device).type == "cuda" else torch.float32)
         if isinstance(dtype, str):
@@ -103,6 +100,4 @@ class EngineConfig:
         if self.copy_compute_ratio < 0 or (self.ttft_slo is not None and self.ttft_slo < 0):
             raise ValueError("copy_compute_ratio and ttft_slo must be >= 0")
         budget = parse_bytes(self.gpu_memory_budget)
-        mixed = self.expert_policy == "elastic" if self.mixed_cuda_graphs is None else self.mixed_cuda_graphs
-        return replace(self, device=device, dtype=dtype, max_model_len=max_model_len, gpu_memory_budget=budget,
-                       mixed_cuda_graphs=mixed)  # fmt: skip
+        return replace(self, device=device, dtype=dtype, max_model_len=max_model_len, gpu_memory_budget=budget)

@@ -22,7 +22,8 @@ from rimuru.expert_ranking import find_ranking
 from rimuru.expert_store import ExpertStore
 from rimuru.kv_cache import KVCacheManager
 from rimuru.memory import KV, MemoryPool, PageAllocator, page_sizes_for_model
-from rimuru.memory_plan import plan_memory
+from rimuru.memory_plan import estimated_reserve, plan_memory
+from rimuru.memory_profile import ProfileShapes, profile_step_memory
 from rimuru.model_runner import ModelRunner
 from rimuru.models import ModelConfig, from_pretrained
 from rimuru.models.checkpoint import resolve_folder
@@ -49,6 +50,7 @@ class Engine:
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
         self.model_config = self.loaded.config
+        self.step_memory = None  # what a step takes outside the pool, where profiled (`rimuru.memory_profile`)
         wants_graphs = graphs_wanted(config.cuda_graphs, self.device)
         self._build_pool(wants_graphs)
         scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
@@ -60,6 +62,8 @@ class Engine:
                                      self.kv_cache.device_tables, scratch_page, config.max_num_seqs,
                                      config.cuda_graphs, config.progress, self._mixed_graph_tokens)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
+        self.kv_tokens_at_start = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV))
+        self._log_start_up()
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages)
@@ -75,6 +79,15 @@ class Engine:
         self.adjuster_seconds = 0.0
         self.step_phases: dict[str, float] = {}  # the last step's wall seconds by phase (`_PhaseClock`)
         self.closed = False
+
+    def _log_start_up(self) -> None:
+        plan, budget = self.memory_plan, self.memory_plan.budget_bytes
+        reserve = "profiled" if self.step_memory is not None else "estimated"
+        logger.info("pool %.2f GiB: %d experts resident, %d on the host; KV cache for %d tokens; %.0f MiB %s for "
+                    "steps outside the pool; weights outside the pool %.2f GiB%s",
+                    self.pool.num_bytes / 2**30, self.experts.num_resident, self.experts.num_offloaded,
+                    self.kv_tokens_at_start, plan.activation_bytes / 2**20, reserve, plan.weights_bytes / 2**30,
+                    "" if budget is None else f"; budget {budget / 2**30:.2f} GiB")  # fmt: skip
 
     def _fit_max_model_len(self, requested: int | None) -> None:
         """Make sure one sequence of max_model_len tokens fits the pool (once the adjuster evicted all it may), so a
@@ -105,13 +118,28 @@ class Engine:
             logger.warning(note)
         weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
         expert_bytes = len(mc.moe_layer_ids) * mc.num_experts * 3 * sizes.expert_page_bytes
-        captured = wants_graphs and self.device.type == "cuda"  # real graphs keep a memory pool of their own
-        graph_seqs, graph_tokens = graph_limits(cfg.max_num_seqs, self._mixed_graph_tokens) if captured else (0, 0)
-        self.memory_plan = plan_memory(mc, self.device, cfg.dtype, cfg.gpu_memory_budget, weights, expert_bytes,
-                                       cfg.max_num_batched_tokens, cfg.max_num_seqs, graph_seqs,
-                                       graph_tokens)  # fmt: skip
+        self.memory_plan = plan_memory(self.device, cfg.gpu_memory_budget, weights, expert_bytes,
+                                       self._step_reserve(sizes, wants_graphs))  # fmt: skip
         self.pool = MemoryPool(sizes, self.memory_plan.pool_bytes, self.device)
         self.allocator = PageAllocator(sizes, self.pool.num_bytes)
+
+    def _step_reserve(self, sizes, wants_graphs: bool) -> int:
+        """Bytes a step takes outside the pool: profiled on a GPU (`rimuru.memory_profile`), estimated elsewhere."""
+        cfg, mc = self.config, self.loaded.config
+        captured = wants_graphs and self.device.type == "cuda"  # real graphs keep a memory pool of their own
+        graph_seqs, graph_tokens = graph_limits(cfg.max_num_seqs, self._mixed_graph_tokens) if captured else (0, 0)
+        if self.device.type != "cuda":
+            return estimated_reserve(mc, self.device, cfg.dtype, cfg.max_num_batched_tokens, cfg.max_num_seqs,
+                                     graph_seqs, graph_tokens)  # fmt: skip
+        mixed_tokens = graph_tokens if graph_tokens > graph_seqs else 0
+        # a step with a prompt chunk replays a graph only up to the largest mixed shape; a decode one up to top
+        every_step_captured = captured and cfg.max_num_seqs <= graph_seqs and cfg.max_num_batched_tokens <= mixed_tokens
+        shapes = ProfileShapes(decode_batch=graph_seqs, mixed_tokens=mixed_tokens,
+                               eager_tokens=0 if every_step_captured else cfg.max_num_batched_tokens,
+                               max_num_seqs=cfg.max_num_seqs, max_model_len=cfg.max_model_len)  # fmt: skip
+        self.step_memory = profile_step_memory(self.loaded.model, sizes, shapes, mc.num_hidden_layers,
+                                               mc.num_experts, self.device)  # fmt: skip
+        return self.step_memory.reserve_bytes
 
     def _place_experts(self, folder: str) -> None:
         """Host store, ranking, loading buffers and the start-up placement of the configured policy."""
@@ -265,7 +293,14 @@ class Engine:
             return ChangeList()
         short = self.allocator.expert_pages_for(kv_shortfall_pages)
         free = self.allocator.num_free_expert_pages
+        if free:  # pages the running batch is forecast to fill are not the experts' to grow into
+            free = max(0, free - self._expert_pages_for_growth())
         return self.adjuster.adjust(short, free, self.experts.offloaded, self._is_stalled())
+
+    def _expert_pages_for_growth(self) -> int:
+        """Free expert pages the running batch's forecast growth needs beyond the free KV pages already split off."""
+        split_free = self.allocator.num_free_small_pages(KV) - self.allocator.num_free_expert_pages * self.allocator.children[KV]
+        return self.allocator.expert_pages_for(self.scheduler.growth_pages() - split_free)
 
     def _run(self, batch) -> list[Request]:
         if not batch.requests:

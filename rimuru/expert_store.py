@@ -39,6 +39,10 @@ class ExpertStore:
     def num_offloaded(self) -> int:
         return sum(map(len, self.offloaded.values()))
 
+    @property
+    def num_resident(self) -> int:
+        return len(self.layer_ids) * self.num_experts - self.num_offloaded
+
     def place(self, offload: dict[int, set[int]]) -> None:
         """Start-up: copy every expert not in `offload` into the pool; ValueError with the numbers if they do not fit."""
         wanted = [(layer, e) for layer in self.layer_ids for e in range(self.num_experts) if e not in offload.get(layer, ())]

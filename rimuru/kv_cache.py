@@ -38,6 +38,10 @@ class KVCacheManager:
     def slot(self, request_id: str) -> int:
         return self._slot[request_id]
 
+    def pages_held(self, request_id: str) -> int:
+        """Pages a layer the request holds now."""
+        return self._num_pages.get(request_id, 0)
+
     def num_new_pages(self, request_id: str, num_tokens: int) -> int:
         """Pages (all layers together) a request must add to hold `num_tokens` tokens. Does not mutate."""
         have = self._num_pages.get(request_id, 0)

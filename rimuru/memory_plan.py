@@ -1,7 +1,8 @@
 """How many bytes the page pool gets: the budget minus the weights already on the device and an activation reserve.
 
 `gpu_memory_budget` caps everything the engine takes on the device. Without a budget, a GPU engine takes 90% of
-the memory still free after loading the weights; a CPU engine takes the experts plus 256 MiB for KV.
+the memory still free after loading the weights; a CPU engine takes the experts plus 256 MiB for KV. The reserve is
+measured on a GPU (`rimuru.memory_profile`) and estimated elsewhere (`estimated_reserve`).
 """
 
 from dataclasses import dataclass
@@ -19,7 +20,7 @@ CUDA_WORKSPACE_BYTES = 512 * 2**20  # cuBLAS/Triton workspaces, allocator slack
 class MemoryPlan:
     budget_bytes: int | None
     weights_bytes: int  # non-expert weights on the device
-    activation_bytes: int  # reserved for one forward pass of max_num_batched_tokens
+    activation_bytes: int  # reserved outside the pool for the steps' work (graphs, sampler, eager passes)
     pool_bytes: int
 
 
@@ -40,29 +41,32 @@ def graph_point_bytes(config: ModelConfig, dtype: torch.dtype, max_tokens: int) 
     return len(config.moe_layer_ids) * max_tokens * (config.hidden_size * elem + config.num_experts_per_tok * 8)
 
 
-def plan_memory(config: ModelConfig, device: torch.device, dtype: torch.dtype, budget: int | None,
-                weights_bytes: int, expert_bytes: int, max_tokens: int, max_seqs: int,
-                graph_seqs: int = 0, graph_tokens: int = 0) -> MemoryPlan:  # fmt: skip
-    """The pool size; ValueError naming the numbers when the budget cannot hold the weights and activations.
-    `graph_seqs`: the largest CUDA-graph decode batch and `graph_tokens` the most tokens a graph takes (more than
-    `graph_seqs` with mixed steps' graphs): their passes have a memory pool of their own."""
+def estimated_reserve(config: ModelConfig, device: torch.device, dtype: torch.dtype, max_tokens: int,
+                      max_seqs: int, graph_seqs: int = 0, graph_tokens: int = 0) -> int:  # fmt: skip
+    """The activation reserve where it cannot be measured (`rimuru.memory_profile` measures it on a GPU): one eager
+    pass of `max_tokens` and, with graphs (`graph_seqs`: the largest decode batch, `graph_tokens`: the most tokens a
+    graph takes), their passes' memory pool."""
     reserve = activation_bytes(config, dtype, max_tokens, max_seqs)
-    mixed = graph_tokens > graph_seqs  # mixed steps' graphs, the larger reserve
     if graph_seqs:
         graph_tokens = max(graph_tokens, graph_seqs)
-        # NOTE: the graphs' logits are one fp32 buffer they share; sampling from it runs in the eager reserve's room
-        # (H200, Qwen1.5-MoE at 30 GiB: 690 MiB of a 1,768 MiB reserve used at the peak with three copies here)
         reserve += activation_bytes(config, dtype, graph_tokens, graph_seqs, logits_copies=1)
         reserve += graph_point_bytes(config, dtype, graph_tokens)
     if device.type == "cuda":
         reserve += CUDA_WORKSPACE_BYTES
+    return reserve
+
+
+def plan_memory(device: torch.device, budget: int | None, weights_bytes: int, expert_bytes: int,
+                reserve: int) -> MemoryPlan:  # fmt: skip
+    """The pool size; ValueError naming the numbers when the budget cannot hold the weights and the `reserve` (what
+    a step takes outside the pool: measured on a GPU, `estimated_reserve` elsewhere)."""
     if budget is not None:
         pool = budget - weights_bytes - reserve
         if pool <= 0:
             raise ValueError(
                 f"gpu_memory_budget {budget / 2**30:.2f} GiB cannot hold the non-expert weights "
                 f"({weights_bytes / 2**30:.2f} GiB) and the activation reserve ({reserve / 2**30:.2f} GiB); "
-                f"lower max_num_batched_tokens{', set mixed_cuda_graphs=False' if mixed else ''} or raise the budget"
+                f"lower max_num_batched_tokens or max_num_seqs, or raise the budget"
             )
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

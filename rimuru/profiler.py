@@ -2,8 +2,8 @@
 
 The share of expert e in layer l is the mean over routed tokens of softmax(router logits)[e]; the result is the
 `ExpertRanking` the engine uses to keep hot experts resident. An observer of the expert manager recomputes each
-router's probabilities from its input at every routing (eager passes and CUDA graph replays alike), so profiling
-needs nothing from the engine but a normal run.
+router's probabilities from its input at every routing, so profiling needs nothing from the engine but a run of
+eager passes (CUDA graphs keep the routers' inputs only for copied experts).
 """
 
 import torch
@@ -19,7 +19,9 @@ def profile_experts(engine: Engine, prompts: list, max_tokens: int = 16) -> Expe
     totals = {layer: torch.zeros(engine.model_config.num_experts, dtype=torch.float64) for layer in layers}
     routers = {layer: engine.loaded.model.model.layers[layer].mlp.gate.weight for layer in layers}
 
-    def observe(layer: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+    def observe(layer: int, hidden: torch.Tensor | None, topk_ids: torch.Tensor) -> None:
+        if hidden is None:
+            raise RuntimeError("profiling reads the routers' inputs: build the engine with cuda_graphs=False")
         logits = hidden.float() @ routers[layer].float().T  # [T, E]
         totals[layer].add_(logits.softmax(dim=-1).sum(dim=0).double().cpu())
 

@@ -1,17 +1,21 @@
 """`Sampler`: the next token of each request from its logits, with a greedy fast path.
 
 Greedy rows take the argmax. Other rows apply temperature, top-k, min-p and top-p, then draw. Rows without a seed
-are filtered and drawn together from the engine's generator (`filtered_probs`: a few tensor operations for the whole
-batch, not a few for each row: 141 aten operations for a step of 140 sampled requests against 13,797 one row at a
-time, `tools/bench_sampler.py`, docs/benchmarks/engine.md). A seeded row is filtered and drawn on its own, from its
-own generator (`filtered_row`), so its tokens never depend on what else is in the batch. Log-probabilities are
-those of the model's distribution before any of these filters, as in vLLM, for all the rows that ask in one pass.
+are filtered and drawn together from the engine's generator, `CHUNK_ROWS` at a time (`filtered_probs`: a few
+tensor operations for a chunk of rows, not a few for each row, docs/benchmarks/engine.md). A seeded row is filtered
+and drawn on its own, from its own generator (`filtered_row`), so its tokens never depend on what else is in the
+batch. Log-probabilities are those of the model's distribution before any of these filters, as in vLLM, computed
+for the rows that ask a chunk at a time.
 """
 
 import torch
 
 from rimuru.request import Request
 from rimuru.sampling_params import SamplingParams
+
+# rows filtered (and log-softmaxed) at once: the sort of top-p holds about 7 copies of its rows' logits, so at
+# max_num_seqs rows it would be the largest thing a step allocates outside the pool
+CHUNK_ROWS = 16
 
 
 class Sampler:
@@ -22,9 +26,9 @@ class Sampler:
         """Token ids and (where asked) {token: logprob} for each row of `logits` [B, V] (fp32)."""
         tokens = logits.argmax(dim=-1)  # [B]
         unseeded = [row for row, r in enumerate(requests) if not r.params.is_greedy and r.generator is None]
-        if unseeded:
-            probs = filtered_probs(logits[unseeded], [requests[row].params for row in unseeded])  # [S, V]
-            tokens[unseeded] = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
+        for chunk in _chunks(unseeded):
+            probs = filtered_probs(logits[chunk], [requests[row].params for row in chunk])  # [S, V]
+            tokens[chunk] = torch.multinomial(probs, 1, generator=self.generator).squeeze(1)
         for row, request in enumerate(requests):
             if not request.params.is_greedy and request.generator is not None:
                 probs = filtered_row(logits[row], request.params)  # [V]
@@ -66,6 +70,10 @@ def filtered_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.
     return probs
 
 
+def _chunks(rows: list[int]) -> list[list[int]]:
+    return [rows[i : i + CHUNK_ROWS] for i in range(0, len(rows), CHUNK_ROWS)]
+
+
 def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
     """[S, 1] per-row values in `like`'s dtype and device."""
     return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
@@ -83,17 +91,21 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # probs [
 
 def logprobs_of(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[dict[int, float] | None]:
     """{chosen token: logprob} plus each asking row's top `logprobs` tokens, None for rows that do not ask; the
-    rows that ask in one log-softmax, one top-k and one copy to the host."""
+    rows that ask in a log-softmax and a top-k a chunk of rows, and one copy to the host."""
     rows = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
     result: list[dict[int, float] | None] = [None] * len(requests)
     if not rows:
         return result
-    logprobs = logits[rows].log_softmax(dim=-1)  # [R, V]
-    chosen = logprobs.gather(1, torch.tensor([tokens[row] for row in rows], device=logits.device)[:, None])
     most = max(requests[row].params.logprobs for row in rows)
-    top = logprobs.topk(most, dim=-1) if most else None
-    chosen_list = chosen[:, 0].tolist()
-    top_ids, top_values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([], [])
+    chosen, top = [], []
+    for chunk in _chunks(rows):
+        logprobs = logits[chunk].log_softmax(dim=-1)  # [R, V]
+        chosen.append(logprobs.gather(1, torch.tensor([tokens[row] for row in chunk], device=logits.device)[:, None]))
+        if most:
+            top.append(logprobs.topk(most, dim=-1))
+    chosen_list = torch.cat(chosen)[:, 0].tolist()
+    top_ids = torch.cat([t.indices for t in top]).tolist() if top else []
+    top_values = torch.cat([t.values for t in top]).tolist() if top else []
     for i, row in enumerate(rows):
         k = requests[row].params.logprobs
         result[row] = {tokens[row]: chosen_list[i]}

@@ -1,12 +1,14 @@
-"""`Scheduler`: continuous batching with chunked prefill over the page pool (DESIGN.md section 5, step 1).
+"""`Scheduler`: continuous batching with chunked prefill over the page pool (docs/architecture.md, one round).
 
 Each round: running requests first, in admission order (a decode is one token; an unfinished prefill gets the next
-chunk), then waiting requests while the token budget, `max_num_seqs` and the pool allow. When a running request
-cannot get its pages, the newest running request is preempted: its pages are freed and it waits at the front of
-the queue to be recomputed, prompt and output alike, so its output is exactly what it would have been.
-The KV pages the round was short of are recorded for the adjuster. While the adjuster can still evict experts to
-cover them (`reclaimable_expert_pages`), a request that does not fit simply sits this round out instead of being
-preempted: the evicted experts' pages serve it next round.
+chunk), then waiting requests while the token budget, `max_num_seqs` and the pool allow. A waiting request is
+admitted only when the pool can carry it and the running batch to their ends (`GrowthForecast`: its prompt fitting
+today is not enough, since the batch keeps growing a token a request a step). When a running request still cannot
+get its pages (it outgrew its forecast), the newest running request is preempted: its pages are freed and it waits
+at the front of the queue to be recomputed, prompt and output alike, so its output is exactly what it would have
+been. The KV pages the round was short of, admissions refused included, are recorded for the adjuster. While the
+adjuster can still evict experts to cover them (`reclaimable_expert_pages`), a request that does not fit simply sits
+this round out instead of being preempted: the evicted experts' pages serve it next round.
 """
 
 import time
@@ -14,6 +16,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from rimuru.admission import GrowthForecast
 from rimuru.kv_cache import KVCacheManager
 from rimuru.request import Request, RequestStatus
 
@@ -47,9 +50,12 @@ class Scheduler:
         self.kv_cache = kv_cache
         self.reclaimable_expert_pages = reclaimable_expert_pages
         self._unmet_pages = 0  # KV pages asked for this round and not granted
+        self._refused_pages = 0  # KV pages the forecast lacked to admit the next waiting request this round
+        self.forecast = GrowthForecast(kv_cache.page_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.num_refusals = 0  # rounds whose next waiting request the forecast kept out
 
     def add(self, request: Request) -> None:
         request.waiting_since = time.monotonic()
@@ -61,12 +67,28 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch:
         """Choose this round's requests and token counts, allocating their KV pages. Mutates queues and pages."""
         batch = ScheduledBatch()
-        self._unmet_pages = 0
+        self._unmet_pages = self._refused_pages = 0
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
         if not batch.preempted:
             self._schedule_waiting(batch, budget)
-        batch.kv_shortfall_pages = max(0, self._unmet_pages - self.kv_cache.allocator.num_free_small_pages())
+        unmet = max(0, self._unmet_pages - self.kv_cache.allocator.num_free_small_pages())
+        batch.kv_shortfall_pages = unmet + self._refused_pages
         return batch
+
+    def growth_pages(self) -> int:
+        """KV pages (all layers) the running batch is forecast to add beyond what it holds: pages the adjuster must
+        leave to KV rather than grow experts into."""
+        peak = self.forecast.peak_pages(self.running)
+        return max(0, peak * self.kv_cache.num_layers - self._held_pages())
+
+    def _held_pages(self) -> int:
+        """KV pages (all layers) the running requests hold."""
+        return sum(map(self.kv_cache.pages_held, (r.request_id for r in self.running))) * self.kv_cache.num_layers
+
+    def _capacity_pages(self) -> int:
+        """KV pages a layer the running batch can have: what it holds plus what is free."""
+        free = self.kv_cache.allocator.num_free_small_pages()
+        return (free + self._held_pages()) // self.kv_cache.num_layers
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         index = 0
@@ -117,9 +139,14 @@ class Scheduler:
         batch.preempted.append(request)
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        admission = _Admission(self) if self.waiting else None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if not admission.admits(request) and self.running:  # alone it is served: it may stop early
+                self._refused_pages = admission.lacking * self.kv_cache.num_layers
+                self.num_refusals += 1
+                return
             if not self.kv_cache.allocate(request.request_id, num_new):
                 if self._adjuster_can_cover(self.kv_cache.num_new_pages(request.request_id, num_new)):
                     return
@@ -138,8 +165,32 @@ class Scheduler:
         """Mark a request finished, free its pages and drop it from the queues. Mutates."""
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+        if reason != "abort":
+            self.forecast.observe_finished(request)
         self.kv_cache.free(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
+
+
+class _Admission:
+    """One round's admission checks: the forecast peak of the running batch and the requests admitted so far, kept
+    as an upper bound while requests join (each adds at most its own final pages), recomputed exactly only when
+    that bound says no."""
+
+    def __init__(self, scheduler: Scheduler):
+        self.running, self.forecast = scheduler.running, scheduler.forecast
+        self.capacity = scheduler._capacity_pages()
+        self.peak = self.forecast.peak_pages(self.running)
+        self.lacking = 0  # pages a layer the last refused request lacked
+
+    def admits(self, request: Request) -> bool:
+        """Whether the pool carries `request` too; the bound then counts it, as the caller admits it or stops."""
+        final = -(-(request.num_tokens + self.forecast.remaining(request)) // self.forecast.page_tokens)
+        if self.peak + final <= self.capacity:
+            self.peak += final
+            return True
+        self.peak = self.forecast.peak_pages(self.running + [request])
+        self.lacking = max(0, self.peak - self.capacity)
+        return self.lacking == 0

@@ -87,7 +87,8 @@ def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_
     count_pass = experts.count_pass if experts.counts_routing else None  # the routing counted inside the graphs
     graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
                         scratch_page, sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
-                        mixed_sizes=mixed, count_pass=count_pass)  # fmt: skip
+                        mixed_sizes=mixed, count_pass=count_pass,
+                        keep_router_inputs=not experts.direct)  # fmt: skip
     start = time.perf_counter()
     try:
         graphs.capture_all(progress)
@@ -114,8 +115,12 @@ class StepGraphs:
     def __init__(self, model: QwenMoeForCausalLM, kv_view: torch.Tensor, expert_view: torch.Tensor,
                  expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
                  capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = (),
-                 count_pass: Callable[[torch.Tensor, torch.Tensor], None] | None = None):  # fmt: skip
+                 count_pass: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 keep_router_inputs: bool = True):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
+        # the routing hook's router inputs, kept for each MoE layer ([MoE layers, tokens, D]): only a hook that
+        # predicts (expert_reads="copy") or observes reads them; without one their buffer would only cost KV pages
+        self.keep_router_inputs = keep_router_inputs
         # the pass's routing counted inside its last graph ([L, T, K] ids, [T] real rows: `ExpertManager.count_pass`)
         self.count_pass = count_pass
         self.host_experts = host_experts  # pinned: fixed addresses the graphs may read (expert_reads="direct")
@@ -148,28 +153,39 @@ class StepGraphs:
 
     @torch.inference_mode()
     def capture_all(self, progress: bool = False) -> None:
-        """Warm up and capture every shape, largest first, into one memory pool (a no-op without `capture`)."""
+        """Warm up every shape, then capture them, largest first, into one memory pool (a no-op without
+        `capture`). The warm-ups' memory goes back to the device before the first capture, so start-up peaks at
+        the larger of the two, never their sum."""
         if not self.capture:
             return
+        shapes = sorted(self.shapes, key=lambda s: (s.tokens, s.mixed), reverse=True)
+        for shape in shapes:
+            self.run_padding(shape)  # compiles the kernels
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
         self._allocate_outputs()
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.kv_view.device)
-        shapes = sorted(self.shapes, key=lambda s: (s.tokens, s.mixed), reverse=True)
-        shapes = tqdm(shapes, desc="Capturing CUDA graphs", unit="shape", disable=not progress)
-        for shape in shapes:
+        for shape in tqdm(shapes, desc="Capturing CUDA graphs", unit="shape", disable=not progress):
             self.inputs.write_padding_only(shape)
-            run_pieces(self._pieces(shape), None)  # compiles the kernels
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self.captured[shape] = self._capture(shape, pool)
             torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
+    @torch.inference_mode()
+    def run_padding(self, shape: Shape) -> torch.Tensor:
+        """An eager pass of `shape` whose rows are all padding: logits [S, V] (warm-ups and memory profiles)."""
+        self.inputs.write_padding_only(shape)
+        return run_pieces(self._pieces(shape), None)
+
     def _allocate_outputs(self) -> None:
         config, top, tokens = self.model.config, self.batch_sizes[-1], self.inputs.max_tokens
         dtype, dev = self.model.lm_head.weight.dtype, self.kv_view.device
         num_moe = len(config.moe_layer_ids)
         self.logits = torch.empty(top, config.vocab_size, dtype=torch.float32, device=dev)
-        self.point_hidden = torch.empty(num_moe, tokens, config.hidden_size, dtype=dtype, device=dev)
+        if self.keep_router_inputs:
+            self.point_hidden = torch.empty(num_moe, tokens, config.hidden_size, dtype=dtype, device=dev)
         self.point_ids = torch.empty(num_moe, tokens, config.num_experts_per_tok, dtype=torch.int64, device=dev)
 
     def _capture(self, shape: Shape, pool) -> _Captured:
@@ -196,9 +212,12 @@ class StepGraphs:
 
     def _store_point(self, index: int, size: int, point: RoutingPoint) -> RoutingPoint:
         """Copy a routing point into the shared buffers (inside the capture); the hook reads the copies."""
-        hidden, topk_ids = self.point_hidden[index, :size], self.point_ids[index, :size]
-        hidden.copy_(point.hidden)
+        topk_ids = self.point_ids[index, :size]
         topk_ids.copy_(point.topk_ids)
+        if not self.keep_router_inputs:
+            return RoutingPoint(point.layer_idx, None, topk_ids)
+        hidden = self.point_hidden[index, :size]
+        hidden.copy_(point.hidden)
         return RoutingPoint(point.layer_idx, hidden, topk_ids)
 
     # ---- a step ------------------------------------------------------------------------------------------------

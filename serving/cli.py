@@ -57,7 +57,8 @@ def _profile(args: argparse.Namespace) -> None:
     from rimuru.expert_ranking import RANKING_FILE
     from rimuru.profiler import profile_experts
 
-    engine = Engine(EngineConfig(model=args.model, **engine_options(args)))
+    # eager passes: the observer reads every router's input, which graphs keep only for copied experts
+    engine = Engine(EngineConfig(model=args.model, **(engine_options(args) | {"cuda_graphs": False})))
     if args.workload:
         with open(args.workload) as f:
             prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()][: args.num_prompts]
@@ -87,7 +88,9 @@ def _bench(args: argparse.Namespace) -> None:
     record |= {"model": args.model, "stream": args.stream, "rate": args.rate, "engine": engine_options(args),
                "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
                "torch": torch.__version__, "commit": source_commit(), "pool_bytes": engine.pool.num_bytes,
-               "kv_pages_per_expert_page": engine.pool.sizes.kv_pages_per_expert_page}  # fmt: skip
+               "kv_pages_per_expert_page": engine.pool.sizes.kv_pages_per_expert_page,
+               "kv_tokens": engine.kv_tokens_at_start, "step_reserve_bytes": engine.memory_plan.activation_bytes,
+               "step_memory": dataclasses.asdict(engine.step_memory) if engine.step_memory else None}  # fmt: skip
     engine.close()  # the next run of a sweep in this process gets the memory
     with open(args.out, "w") as f:
         json.dump(record, f, indent=1, default=str)

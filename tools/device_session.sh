@@ -304,6 +304,45 @@ sampler() {  # a step of 140 sampled requests, Qwen's vocabulary (tools/bench_sa
   python tools/bench_sampler.py --device cuda "${against[@]}" 2> /dev/null | tee "$OUT/sampler.json"
 }
 
+# vsvllm: vLLM 0.26 and Rimuru (all experts resident, and the default policy) on the same config, budget and streams
+# in one call (docs/benchmarks/vs-vllm.md). vLLM's parts must be in /tmp/parts (see ../shared/peers/vllm/README.md:
+# one call a part, carrying .peers/vllm/vllm.part-0N); carry .peers/vllm/bin and .bench. VS_STREAMS (default the
+# 400 at 10/s and 200 at once streams), VS_POLICIES ("resident default"), ORDER=rimuru-first to alternate, CALL
+# names the call in vs-vllm.json. Records, logs and the merged table in $OUT.
+vsvllm() {
+  local dir="$OUT/vs" streams=(${VS_STREAMS:-.bench/stream-400-r10.jsonl .bench/stream-200-r0.jsonl}) runs=() s p
+  mkdir -p "$dir"
+  [ -d /tmp/vsite ] || bash .peers/vllm/install.sh .peers/vllm/bin > "$dir/vllm-install.log" 2>&1 \
+    || { tail -5 "$dir/vllm-install.log"; return 1; }
+  for s in "${streams[@]}"; do
+    for p in ${VS_POLICIES:-resident default}; do
+      case $p in
+        default) runs+=(--run "$p-$(basename "$s" .jsonl)=--stream $s") ;;
+        *) runs+=(--run "$(run_spec "$p" | sed "s|^$p=|$p-$(basename "$s" .jsonl)=|") --stream $s") ;;
+      esac
+    done
+  done
+  local vllm_cmd=(python tools/vllm_replay.py "$MODEL" --budget-gib "${BUDGET%GiB}" --out-dir "$dir")
+  for s in "${streams[@]}"; do vllm_cmd+=(--stream "$s"); done
+  run_vllm() { (source /tmp/vsite/env.sh && "${vllm_cmd[@]}") > "$dir/vllm.log" 2>&1; grep -h output_tokens_per_s "$dir"/vllm-*.json | cut -c1-200; }
+  run_rimuru() {
+    python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$MODEL/expert_ranking-vs.json" \
+      --common "--gpu-memory-budget $BUDGET --max-num-batched-tokens 2048 --quiet ${DUMMY[*]} ${BENCH_FLAGS:-}" "${runs[@]}"
+  }
+  if [ "${ORDER:-vllm-first}" = rimuru-first ]; then run_rimuru; run_vllm; else run_vllm; run_rimuru; fi
+  local specs=()
+  for s in "${streams[@]}"; do
+    specs+=("vllm=$dir/vllm-$(basename "$s" .jsonl).json")
+    for p in ${VS_POLICIES:-resident default}; do specs+=("$p=$dir/$p-$(basename "$s" .jsonl).json"); done
+  done
+  cp docs/benchmarks/vs-vllm.json "$OUT/vs-vllm.json" 2>/dev/null
+  python tools/vs_vllm.py --call "${CALL:-$RIMURU_COMMIT}" --commit "$RIMURU_COMMIT" --json "$OUT/vs-vllm.json" \
+    --table "$OUT/vs-vllm-table.md" "${specs[@]}"
+  cat "$OUT/vs-vllm-table.md"
+  grep -h "KV cache\|profiled\|pool .* GiB" "$dir"/*.log | sort | uniq -c | head -20
+  tar -czf "$OUT/vs-records.tar.gz" -C "$OUT" vs && rm -r "$dir"
+}
+
 cache() {  # last in a call: Triton's compiled kernels, to carry in .bench next time (tools/device_env.sh unpacks them)
   [ -d "$TRITON_CACHE_DIR" ] || { echo "no Triton cache at $TRITON_CACHE_DIR"; return; }
   # NOTE: in parts of 15 MB: one file over 16 MiB does not come back (23 MB at ad6a144)

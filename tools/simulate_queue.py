@@ -7,7 +7,7 @@ arrivals, with no model and no GPU (a step's time is a fitted line), seconds a r
 Each step: the scheduler's round, then every scheduled request computes its tokens; a prefill that completes and
 every decode add one output token (EOS ignored, `max_tokens` as the stream says, as `rimuru bench` runs it). A step
 takes `--step-ms` + `--per-request-ms` x requests in it + `--per-prefill-token-ms` x prefill tokens. The defaults
-are fitted to the cost rule's run at router skew 0.5 and 10 requests/s (`paper-scenario/skew0.5-cost-r10-9be869c.json`:
+are fitted to the cost rule's run at router skew 0.5 and 10 requests/s (`paper-scenario/skew0.5-cost-r10-9be869c.json.gz`:
 a mean step of 12.1 ms at 23.8 running), whose KV cache held 1,070-1,300 pages of 16 tokens a layer while requests
 waited: at 1,100 pages the simulation gives that run's queue back (`paper-scenario.md`, "The queue at a fixed
 capacity"). Pages are counted for one layer (the engine takes the same number in every layer).

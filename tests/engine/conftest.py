@@ -7,6 +7,7 @@ import pytest
 import torch
 import transformers
 
+from rimuru.admission import GrowthForecast
 from rimuru.models import fabricate
 
 NUM_PROMPTS, MAX_TOKENS = 9, 12
@@ -52,3 +53,9 @@ def _free_gpu_memory_after_each_test():
     yield
     if torch.cuda.is_available():
         free_gpu_memory()
+
+
+def expect_no_growth(monkeypatch) -> None:
+    """Make the scheduler's growth forecast expect no request to grow: a request is admitted when its prompt fits
+    today, so a tight pool runs dry as the batch decodes and preempts (the path these tests check)."""
+    monkeypatch.setattr(GrowthForecast, "remaining", lambda self, request: 0)

@@ -9,7 +9,7 @@ import weakref
 import pytest
 
 from rimuru import LLM, SamplingParams
-from tests.engine.conftest import MAX_TOKENS
+from tests.engine.conftest import MAX_TOKENS, expect_no_growth
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
 
@@ -43,14 +43,26 @@ def test_chunked_prefill_of_seven_tokens_matches_hf(family):
     assert llm.engine.num_steps > len(prompts) * MAX_TOKENS / 7  # it really ran in small chunks
 
 
-def test_preemption_keeps_tokens_identical(family):
+def test_preemption_keeps_tokens_identical(family, monkeypatch):
+    """A forecast that expects no growth admits whatever fits today, so the batch outgrows the pool."""
     folder, prompts, expected = family
     longest = max(map(len, prompts)) + MAX_TOKENS
+    expect_no_growth(monkeypatch)
     llm, tokens = generate(folder, prompts, gpu_memory_budget=tight_budget(folder, 2 * longest), expert_policy="resident")
     assert llm.engine.scheduler.num_preemptions > 0
     assert tokens == expected
     assert llm.engine.allocator.stats()["kv_used_pages"] == 0  # every page came back
     llm.engine.allocator.check_integrity()
+
+
+def test_the_growth_forecast_admits_only_what_the_pool_carries_to_the_end(family):
+    """The same tight pool: requests wait to be admitted instead of being preempted, and the tokens are the same."""
+    folder, prompts, expected = family
+    longest = max(map(len, prompts)) + MAX_TOKENS
+    llm, tokens = generate(folder, prompts, gpu_memory_budget=tight_budget(folder, 2 * longest), expert_policy="resident")
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions == 0 and scheduler.num_refusals > 0
+    assert tokens == expected
 
 
 def test_requests_added_while_others_run_match_hf(family):

@@ -108,19 +108,21 @@ def test_mixed_token_sizes_step_by_64_then_128_and_end_at_the_limit():
 
 
 def test_mixed_graphs_reserve_their_larger_passes_from_the_budget(family):
-    """The graph pool grows with the most tokens a graph takes: the plan takes the difference from the pool."""
-    from rimuru.memory_plan import activation_bytes, graph_point_bytes, plan_memory
+    """Where the reserve is estimated, it grows with the most tokens a graph takes, and the plan takes it from the
+    pool; a budget that cannot hold it is refused with the numbers."""
+    from rimuru.memory_plan import activation_bytes, estimated_reserve, graph_point_bytes, plan_memory
     from rimuru.models import ModelConfig
 
     config, cuda, dtype = ModelConfig.from_hf(family[0]), torch.device("cuda"), torch.bfloat16  # budget: no query
-    plan = lambda tokens: plan_memory(config, cuda, dtype, 2**34, 2**30, 2**32, 8192, 256, 256, tokens).pool_bytes
+    reserve = lambda tokens: estimated_reserve(config, cuda, dtype, 8192, 256, 256, tokens)
+    plan = lambda tokens: plan_memory(cuda, 2**34, 2**30, 2**32, reserve(tokens)).pool_bytes
     grown = activation_bytes(config, dtype, 2048, 256, 1) - activation_bytes(config, dtype, 256, 256, 1)
     grown += graph_point_bytes(config, dtype, 2048) - graph_point_bytes(config, dtype, 256)
     assert plan(256) == plan(0) and plan(256) - plan(2048) == grown > 0
     weights = 2**30 + plan(2048) + 1  # the budget then holds the decode graphs' reserve, not the mixed graphs'
-    with pytest.raises(ValueError, match="lower max_num_batched_tokens, set mixed_cuda_graphs=False or raise"):
-        plan_memory(config, cuda, dtype, 2**34, weights, 2**32, 8192, 256, 256, 2048)
-    assert plan_memory(config, cuda, dtype, 2**34, weights, 2**32, 8192, 256, 256, 256).pool_bytes > 0
+    with pytest.raises(ValueError, match="lower max_num_batched_tokens or max_num_seqs, or raise the budget"):
+        plan_memory(cuda, 2**34, weights, 2**32, reserve(2048))
+    assert plan_memory(cuda, 2**34, weights, 2**32, reserve(256)).pool_bytes > 0
 
 
 def record_shapes(engine) -> list[tuple[Shape, int, int]]:
@@ -345,10 +347,10 @@ def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(famil
 
 
 @pytest.mark.parametrize("policy", ["resident", "fixed", "elastic"])
-def test_mixed_graphs_are_on_by_default_only_where_expert_pages_pay_for_them(policy):
-    """Elastic lends expert pages to the larger graph memory pool; resident and fixed would lose KV pages to it."""
+def test_mixed_graphs_are_on_by_default_under_every_policy(policy):
+    """Their memory pool is profiled before the pool is sized, so every policy pays only what they take."""
     def resolve(**options):
         return EngineConfig(model="m", expert_policy=policy, **options).resolve(4096, torch.bfloat16)
 
-    assert resolve().mixed_cuda_graphs == (policy == "elastic")
-    assert resolve(mixed_cuda_graphs=True).mixed_cuda_graphs and not resolve(mixed_cuda_graphs=False).mixed_cuda_graphs
+    assert resolve().mixed_cuda_graphs
+    assert not resolve(mixed_cuda_graphs=False).mixed_cuda_graphs
