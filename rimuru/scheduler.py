@@ -51,7 +51,7 @@ class Scheduler:
         self.reclaimable_expert_pages = reclaimable_expert_pages
         self._unmet_pages = 0  # KV pages asked for this round and not granted
         self._refused_pages = 0  # KV pages the forecast lacked to admit the next waiting request this round
-        self.forecast = GrowthForecast(kv_cache.page_tokens)
+        self.forecast = GrowthForecast(kv_cache.page_tokens if kv_cache is not None else 1)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

@@ -229,7 +229,8 @@ class StepGraphs:
         self.inputs.write(inputs, shape)
 
         def hook(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
-            return on_routing(layer_idx, hidden[:num_tokens], topk_ids[:num_tokens])  # padding rows load nothing
+            rows = None if hidden is None else hidden[:num_tokens]  # padding rows load nothing
+            return on_routing(layer_idx, rows, topk_ids[:num_tokens])
 
         hook = hook if on_routing is not None else None
         if not self.capture:

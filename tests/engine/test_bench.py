@@ -12,6 +12,7 @@ import pytest
 from rimuru.benchmark import SERIES_ESTIMATES, source_commit
 from rimuru.serving.cli import main
 from tests.engine.test_experts import budget_for
+from tests.engine.conftest import expect_no_growth
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_adjuster  # noqa: E402
@@ -239,13 +240,14 @@ def test_the_adjuster_benchmark_times_both_rules_on_a_placement_that_refreshes(c
 
 
 
-def test_the_queue_simulation_serves_every_request_and_a_full_reserve_never_preempts(tmp_path):
+def test_the_queue_simulation_serves_every_request_and_a_full_reserve_never_preempts(tmp_path, monkeypatch):
     """`tools/simulate_queue.py` runs the engine's scheduler to the end: every request gets its first token, the
     throughput counts every output token, a capacity too small for the burst preempts, and admission that reserves
     each running request's whole remaining output (`--reserve 1`) never has to."""
     stream = [dict(r, arrival=0.0) for r in write_stream(tmp_path / "s.jsonl", 40, 500)]
     args = simulate_queue.argparse.Namespace(step_ms=4.0, per_request_ms=0.2, per_prefill_token_ms=0.01,
                                              max_num_seqs=256, max_num_batched_tokens=512)  # fmt: skip
+    expect_no_growth(monkeypatch)  # the scheduler admits on today's pages: a tight pool preempts
     tight = simulate_queue.simulate(stream, 12, args)
     reserved = simulate_queue.simulate(stream, 12, args, reserve=1.0)
     roomy = simulate_queue.simulate(stream, 400, args)

@@ -219,7 +219,7 @@ def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkey
     inputs = StepInputs(ids, torch.arange(3), torch.zeros(1, dtype=torch.int64), starts,
                         torch.tensor([3], dtype=torch.int32), torch.tensor([2]), [0])  # fmt: skip  # a 3-token prefill
     shape = graphs.shape_for(inputs)
-    logits = graphs.run(inputs, lambda layer, hidden, topk_ids: seen.append(hidden.shape[0]), shape)
+    logits = graphs.run(inputs, lambda layer, hidden, topk_ids: seen.append(topk_ids.shape[0]), shape)
     assert shape.mixed and logits.shape == (1, engine.model_config.vocab_size)
     assert seen == [3] * num_moe and all(g.replays == 1 for g in graphs.captured[shape].graphs)
 
