@@ -364,6 +364,8 @@ class ExpertManager:
         predicted = sorted((e for e in on_host if votes[e]), key=lambda e: (-votes[e], e))[: len(buffer.slots)]
         buffer.layer, buffer.experts = layer, {expert: slot for slot, expert in enumerate(predicted)}
         copies = [(buffer.slots[slot], self.store.host_rows(layer, expert)) for slot, expert in enumerate(predicted)]
-        buffer.ready = self.copier.copy_many(copies, after=last_reader)
+        ticket = self.copier.copy_many(copies, after=last_reader)
+        if ticket is not None:  # nothing to copy: an earlier prefetch may still be landing in these slots
+            buffer.ready = ticket
         self.stats.prefetched += len(predicted)
 
