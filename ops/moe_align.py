@@ -289,7 +289,7 @@ def tile_chunk(num_experts: int) -> int:
 def one_program_chunk(num_pairs: int, num_experts: int) -> int:
     """Pairs the one-program sort takes a pass: the batch's pairs to the next power of two (at least 16, at most
     `tile_chunk`). Its [tile, E] one-hot tiles are the kernel's work: at 8 or 64 pairs a 128-row tile is 16x or 2x
-    too big (H200, ff88579: 15.5 us for 8 pairs with E = 128 against 10.5 with E = 64, in 128-row tiles)."""
+    too big, and the sort's time follows the tile (docs/benchmarks/kernels.md)."""
     return min(tile_chunk(num_experts), max(16, triton.next_power_of_2(num_pairs)))
 
 

@@ -22,8 +22,8 @@ MIN_SPLIT_TOKENS of the longest possible context (page table width * page tokens
 request's query blocks, so any batch is computed correctly, but prefill chunks would redo the split bookkeeping for
 nothing: the dispatcher sends only decode batches here.
 
-Performance (H200, docs/benchmarks/kernels.md): B=1 at 8,192 tokens 111 us against 185 us unsplit; B=8 at 4,096
-tokens 92.6 against 101.5 us; slower than the unsplit kernel from B * Hk = 64 programs up, so not used there.
+Faster than the unsplit kernel for few, long requests and slower from B * Hk = 64 programs up, so not used there
+(the timings are in docs/benchmarks/kernels.md).
 """
 
 import functools

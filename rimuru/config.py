@@ -53,9 +53,7 @@ class EngineConfig:
     prefetch: bool = True  # expert_reads="copy": predict the next layer's experts and copy them ahead
     # a routed expert that is on the host: let the expert kernel read its pinned host copy over the host link
     # ("direct": no routing hook, no loading buffers) or "copy" it into a loading buffer first (the hook waits for
-    # the router, then copies and prefetches). Direct won every H200 run (docs/benchmarks/paper-scenario.md, ff88579):
-    # elastic 1.06x at 10 requests/s and 1.18x with 200 at once against copies in the same call; Qwen3-30B-A3B on
-    # 40 GiB 1,051 against 855 tok/s (copies at 593cf27, another machine). All at router skew 1.0
+    # the router, then copies and prefetches). Direct won every H200 run (docs/benchmarks/paper-scenario.md)
     expert_reads: str = "direct"
     cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: the same path)
     # steps that mix prefill chunks and decodes (up to 2048 tokens) as graph replays too (with cuda_graphs): their

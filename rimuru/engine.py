@@ -299,7 +299,8 @@ class Engine:
 
     def _expert_pages_for_growth(self) -> int:
         """Free expert pages the running batch's forecast growth needs beyond the free KV pages already split off."""
-        split_free = self.allocator.num_free_small_pages(KV) - self.allocator.num_free_expert_pages * self.allocator.children[KV]
+        allocator = self.allocator
+        split_free = allocator.num_free_small_pages(KV) - allocator.num_free_expert_pages * allocator.children[KV]
         return self.allocator.expert_pages_for(self.scheduler.growth_pages() - split_free)
 
     def _run(self, batch) -> list[Request]:

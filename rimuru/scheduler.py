@@ -1,4 +1,4 @@
-"""`Scheduler`: continuous batching with chunked prefill over the page pool (docs/architecture.md, one round).
+"""`Scheduler`: continuous batching with chunked prefill over the page pool (DESIGN.md section 5, step 1).
 
 Each round: running requests first, in admission order (a decode is one token; an unfinished prefill gets the next
 chunk), then waiting requests while the token budget, `max_num_seqs` and the pool allow. A waiting request is
@@ -51,7 +51,7 @@ class Scheduler:
         self.reclaimable_expert_pages = reclaimable_expert_pages
         self._unmet_pages = 0  # KV pages asked for this round and not granted
         self._refused_pages = 0  # KV pages the forecast lacked to admit the next waiting request this round
-        self.forecast = GrowthForecast(kv_cache.page_tokens if kv_cache is not None else 1)
+        self.forecast = GrowthForecast(kv_cache.page_tokens)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0

@@ -158,7 +158,8 @@ def test_the_ttft_target_reads_the_longest_wait_since_joining_the_queue():
     from rimuru.sampling_params import SamplingParams
     from rimuru.scheduler import Scheduler, SchedulerConfig
 
-    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64), kv_cache=None)
+    scheduler = Scheduler(SchedulerConfig(max_num_seqs=4, max_num_batched_tokens=64),
+                          kv_cache=SimpleNamespace(page_tokens=16))  # fmt: skip
     before = time.monotonic()
     scheduler.add(request := Request("a", [1, 2], SamplingParams(), max_tokens=4))
     assert before <= request.waiting_since <= time.monotonic()
