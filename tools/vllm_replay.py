@@ -3,7 +3,7 @@
 step), for the side-by-side benchmark (`tools/vs_vllm.py`). vLLM is a benchmark-only tool here, never a dependency
 of Rimuru: this file runs on the GPU machine with vLLM carried there (`tools/device_session.sh vsvllm`).
 
-    python tools/vllm_replay.py MODEL_DIR --budget-gib 30 --stream a.jsonl --rate 10 --out-dir OUT
+    python tools/vllm_replay.py MODEL_DIR --budget-gib 30 --stream a.jsonl --stream b.jsonl --out-dir OUT
 
 Dummy weights from a config folder, prompts as token ids, greedy with ignore_eos (as `rimuru bench`), vLLM's
 defaults otherwise (torch.compile, full and piecewise CUDA graphs, chunked prefill at 2,048 batched tokens, 256
@@ -15,7 +15,6 @@ stream: throughput, TTFT / TPOT (mean, median, p99), preemptions (vLLM's own cou
 import argparse
 import json
 import os
-import random
 import statistics
 import time
 
@@ -34,17 +33,6 @@ def summary(values: list[float]) -> dict:
 def metric(engine: LLMEngine, name: str) -> float:
     """A counter or gauge of vLLM's metrics (its Prometheus names without `_total`), summed over engines."""
     return sum(getattr(m, "value", 0) for m in engine.get_metrics() if m.name == name)
-
-
-def with_rate(requests: list[dict], rate: float | None, seed: int) -> list[dict]:
-    """The arrivals `rimuru bench --rate` gives the same stream (Poisson, seeded; 0: all at once)."""
-    if rate is None:
-        return requests
-    rng, t, out = random.Random(seed), 0.0, []
-    for request in requests:
-        t += rng.expovariate(rate) if rate > 0 else 0.0
-        out.append(dict(request, arrival=round(t, 4)))
-    return out
 
 
 def replay(engine: LLMEngine, requests: list[dict]) -> dict:
@@ -91,9 +79,6 @@ def main() -> None:
     parser.add_argument("model")
     parser.add_argument("--budget-gib", type=float, required=True)
     parser.add_argument("--stream", action="append", required=True, help="a JSONL stream; repeatable")
-    parser.add_argument("--rate", action="append", type=float, default=[],
-                        help="re-time the stream of the same place at this rate (0: all at once); default: its own")
-    parser.add_argument("--seed", type=int, default=0, help="of the re-timed arrivals, as rimuru bench's --seed")
     parser.add_argument("--out-dir", required=True)
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
@@ -113,18 +98,17 @@ def main() -> None:
     os.makedirs(args.out_dir, exist_ok=True)
     import vllm
 
-    for index, stream in enumerate(args.stream):
-        rate = args.rate[index] if index < len(args.rate) else None
+    for stream in args.stream:  # each request arrives at its own `arrival`, as `rimuru bench` replays it
         with open(stream) as f:
-            requests = with_rate([json.loads(line) for line in f if line.strip()], rate, args.seed)
+            requests = [json.loads(line) for line in f if line.strip()]
         warm = [dict(r, max_tokens=2, arrival=0.0, id=f"warm-{k}") for k, r in enumerate(requests[:8])]
         replay(engine, warm)  # as `rimuru bench --warmup`
         record = replay(engine, requests)
-        record |= {"engine": "vllm", "vllm": vllm.__version__, "stream": stream, "rate": rate,
+        record |= {"engine": "vllm", "vllm": vllm.__version__, "stream": stream, "rate": None,
                    "budget_gib": args.budget_gib, "gpu_memory_utilization": round(utilization, 5),
                    "kv_tokens": kv_tokens(engine), "startup_s": startup, "model": args.model,
                    "device": torch.cuda.get_device_name()}  # fmt: skip
-        name = os.path.splitext(os.path.basename(stream))[0] + (f"-r{rate:g}" if rate is not None else "")
+        name = os.path.splitext(os.path.basename(stream))[0]
         with open(os.path.join(args.out_dir, f"vllm-{name}.json"), "w") as f:
             json.dump(record, f, indent=1)
         print(json.dumps(record), flush=True)
