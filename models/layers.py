@@ -39,10 +39,15 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [T, H, Dh]
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, Dh]
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
+def stacked_linear(*parts: nn.Linear) -> nn.Linear:
+    """One linear layer whose output rows are the parts' in order: one GEMM where the checkpoint has several."""
+    weight = torch.cat([part.weight.detach() for part in parts])  # [sum of N, K]
+    bias = parts[0].bias is not None
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias, device="meta", dtype=weight.dtype)
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias:
+        linear.bias = nn.Parameter(torch.cat([part.bias.detach() for part in parts]), requires_grad=False)
+    return linear
 
 
 class MLP(nn.Module):
@@ -54,8 +59,14 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
 
+    def fuse_projections(self) -> None:
+        """Gate and up as one projection (`gate_up_proj`, gate rows first); the loader calls this once loaded."""
+        self.gate_up_proj = stacked_linear(self.gate_proj, self.up_proj)
+        del self.gate_proj, self.up_proj
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
-        return self.down_proj(nn.functional.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
+        return self.down_proj(nn.functional.silu(gate) * up)
 
 
 class Attention(nn.Module):
@@ -75,14 +86,20 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(dh, config.rms_norm_eps) if use_qk_norm else None
         self.k_norm = RMSNorm(dh, config.rms_norm_eps) if use_qk_norm else None
 
+    def fuse_projections(self) -> None:
+        """q, k and v as one projection (`qkv_proj`); the loader calls this once loaded."""
+        self.qkv_proj = stacked_linear(self.q_proj, self.k_proj, self.v_proj)
+        del self.q_proj, self.k_proj, self.v_proj
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        num_tokens = x.shape[0]
-        q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)  # [T, Hq, Dh]
-        k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hk, Dh]
-        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)  # [T, Hk, Dh]
+        num_tokens, dh = x.shape[0], self.head_dim
+        q, k, v = self.qkv_proj(x).split((self.num_heads * dh, self.num_kv_heads * dh, self.num_kv_heads * dh), -1)
+        q = q.view(num_tokens, self.num_heads, dh)  # [T, Hq, Dh], views of the fused projection's rows
+        k = k.view(num_tokens, self.num_kv_heads, dh)  # [T, Hk, Dh]
+        v = v.view(num_tokens, self.num_kv_heads, dh)  # [T, Hk, Dh]
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        q, k = ops.rope(q, k, cos, sin)
         i = self.layer_idx
         ops.write_kv(k, v, ctx.kv_view, ctx.slot_mappings[i])
         out = ops.paged_attention(

@@ -68,6 +68,10 @@ def from_pretrained(
     else:
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
     _assign(model, state, device)
+    del state  # the fused projections replace these tensors
+    model.fuse_projections()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the unfused tensors' blocks, before the pool is sized
     return LoadedModel(model=model.eval(), config=config, experts=experts, folder=folder)
 
 

@@ -33,13 +33,14 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
+    def fuse_projections(self) -> None:
+        """The router's weight kept in fp32, so a step does not cast it again; the loader calls this once loaded."""
+        self.register_buffer("router_weight", self.gate.weight.detach().float(), persistent=False)  # [E, D]
+
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, D]
         """Top-k expert ids [T, K] and their fp32 weights [T, K]; logits and softmax in fp32."""
-        logits = nn.functional.linear(x.float(), self.gate.weight.float())  # [T, E]
-        weights, ids = torch.topk(logits.softmax(dim=-1), self.top_k, dim=-1)  # [T, K]
-        if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return ids, weights
+        logits = nn.functional.linear(x.float(), self.router_weight)  # [T, E]
+        return ops.topk_softmax(logits, self.top_k, self.norm_topk_prob)
 
     def steps(self, x: torch.Tensor, ctx: ForwardContext) -> Pieces:  # x [T, D] -> [T, D]
         topk_ids, topk_weights = self.route(x)  # [T, K]
@@ -107,6 +108,13 @@ class QwenMoeForCausalLM(nn.Module):
         """Share the embedding with the LM head when the checkpoint says so (call again after loading)."""
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
+
+    def fuse_projections(self) -> None:
+        """Stack the projections the checkpoint keeps apart (QKV, each MLP's gate and up) and keep the routers in
+        fp32: fewer, larger kernels a step. Call once the weights are loaded; the forward pass expects it."""
+        for module in list(self.modules()):
+            if module is not self and hasattr(module, "fuse_projections"):
+                module.fuse_projections()
 
     def checkpoint_shapes(self) -> dict[str, torch.Size]:
         """Checkpoint key -> shape of every non-expert weight; without `lm_head.weight` when tied.

@@ -11,6 +11,8 @@ import torch
 import rimuru.ops.paged_attention  # noqa: F401  (registers rimuru::paged_attention)
 import rimuru.ops.paged_moe  # noqa: F401  (registers rimuru::paged_moe)
 import rimuru.ops.rms_norm  # noqa: F401  (registers rimuru::rms_norm)
+import rimuru.ops.rope  # noqa: F401  (registers rimuru::rope)
+import rimuru.ops.topk_softmax  # noqa: F401  (registers rimuru::topk_softmax)
 import rimuru.ops.write_kv  # noqa: F401  (registers rimuru::write_kv)
 
 
@@ -32,6 +34,17 @@ def paged_moe(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # x [..., N], weight [N]
     """RMSNorm over the last dimension in one kernel; see `rimuru.ops.reference.rms_norm`."""
     return torch.ops.rimuru.rms_norm(x, weight, eps)
+
+
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # q [T, Hq, Dh], k [T, Hk, Dh]
+    """Neox RoPE of q and k in one kernel (cos, sin [T, Dh]); contiguous outputs; see `rimuru.ops.reference.rope`."""
+    return torch.ops.rimuru.rope(q, k, cos, sin)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):  # logits [T, E] float32
+    """Router top-k ids [T, K] int64 and softmax weights [T, K] fp32 in one kernel; see
+    `rimuru.ops.reference.topk_softmax`."""
+    return torch.ops.rimuru.topk_softmax(logits, top_k, renormalize)
 
 
 def write_kv(
@@ -56,4 +69,4 @@ def paged_attention(
     return torch.ops.rimuru.paged_attention(query, kv_view, page_table, seq_lens, query_start_loc, scale)
 
 
-__all__ = ["paged_attention", "paged_moe", "rms_norm", "write_kv"]
+__all__ = ["paged_attention", "paged_moe", "rms_norm", "rope", "topk_softmax", "write_kv"]

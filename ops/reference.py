@@ -55,6 +55,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # q [T, Hq, Dh], k [T, Hk, Dh]
+    """transformers' neox RoPE on q and k (cos, sin [T, Dh] in their dtype): x * cos + rotate_half(x) * sin, each
+    product rounded to the dtype before the sum."""
+    def rotate(x):
+        half = x.shape[-1] // 2
+        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)  # [T, H, Dh]
+        return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+    return rotate(q), rotate(k)
+
+
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):  # logits [T, E] float32
+    """The router's top-k experts [T, K] (int64, best first) and their softmax weights [T, K] (fp32), renormalised
+    to sum to 1 when asked (qwen3_moe's norm_topk_prob)."""
+    weights, ids = torch.topk(logits.float().softmax(dim=-1), top_k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return ids, weights
+
+
 def write_kv(
     key: torch.Tensor,  # [T, Hk, Dh]
     value: torch.Tensor,  # [T, Hk, Dh]

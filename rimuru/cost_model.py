@@ -75,7 +75,11 @@ class CostModel:
             self.bandwidth = ema(self.bandwidth, num_bytes / seconds, self.weight)
 
     def observe_step(self, seconds: float, num_tokens: int, running: int = 0, kv_pages: int = 0) -> None:
-        """One step: its wall time and tokens, the requests running and the KV pages they hold."""
+        """One step: its wall time and tokens, the requests running and the KV pages they hold. A step mostly of
+        prefill tokens (over twice its requests) is left out: the model weighs decode throughput, and a long
+        prefill step of few requests (a warm-up, a burst's first chunks) made every eviction look profitable."""
+        if running and num_tokens > 2 * running:
+            return
         observed = {"compute_s": seconds, "tokens_per_step": float(num_tokens), "running": float(running)}
         if running > 0:
             observed["kv_pages_per_request"] = kv_pages / running

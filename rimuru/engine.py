@@ -6,6 +6,7 @@ per-request bookkeeping around it (tokenising, stop conditions). Front ends (`LL
 """
 
 import gc
+import itertools
 import logging
 import time
 from dataclasses import replace
@@ -116,7 +117,7 @@ class Engine:
         sizes = page_sizes_for_model(mc, cfg.dtype, cfg.page_tokens)
         for note in sizes.notes:
             logger.warning(note)
-        weights = sum(p.numel() * p.element_size() for p in self.loaded.model.parameters())
+        weights = _device_bytes(self.loaded.model)
         expert_bytes = len(mc.moe_layer_ids) * mc.num_experts * 3 * sizes.expert_page_bytes
         self.memory_plan = plan_memory(self.device, cfg.gpu_memory_budget, weights, expert_bytes,
                                        self._step_reserve(sizes, wants_graphs))  # fmt: skip
@@ -347,3 +348,9 @@ class _PhaseClock:
         now = time.perf_counter()
         self.phases[name], self._last = now - self._last, now
         return self.phases[name]
+
+
+def _device_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, each storage once (an fp32 router buffer may alias its weight)."""
+    tensors = {t.untyped_storage().data_ptr(): t for t in itertools.chain(model.parameters(), model.buffers())}
+    return sum(t.untyped_storage().nbytes() for t in tensors.values())

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from rimuru import LLM
 from rimuru.cost_adjuster import (MAX_NOMINEES, CostAdjuster, CostThresholds, lower_median, plan_cost_adjustment,
                                   plan_swaps, profitable_evictions)
-from rimuru.cost_model import copy_seconds, exposed_seconds, kv_pages_freed, touch_probability
+from rimuru.cost_model import CostModel, copy_seconds, exposed_seconds, kv_pages_freed, touch_probability
 from rimuru.expert_ranking import ExpertRanking
 from rimuru.popularity import ExpertPopularity
 from tests.engine.test_experts import GREEDY, budget_for, run
@@ -575,3 +575,13 @@ def test_routing_kept_for_counting_stays_bounded_without_end_step(family):
     manager.end_step()
     added = popularity.pending - before  # [L, E]: each pass counted experts 0 and 2 once and expert 1 twice
     assert added[:, :3].tolist() == [[10, 20, 10]] * len(layers) and added[:, 3:].sum() == 0
+
+
+def test_prefill_heavy_steps_leave_the_decode_model_unmeasured():
+    """A warm-up of 8 requests prefilling 1,752 tokens in 24 ms is not a decode step: counted, it said 8 requests
+    per 24 ms and made every eviction look profitable. A decode step of 30 requests is counted."""
+    model = CostModel()
+    model.observe_step(0.024, 1752, running=8, kv_pages=80)
+    assert model.compute_s is None and model.running is None
+    model.observe_step(0.010, 31, running=30, kv_pages=300)
+    assert (model.compute_s, model.tokens_per_step, model.running, model.kv_pages_per_request) == (0.010, 31.0, 30.0, 10.0)

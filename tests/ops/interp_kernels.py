@@ -24,6 +24,8 @@ from rimuru.ops.moe_align import (MAX_SORT_PROGRAMS, align_tokens_torch, align_t
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
 from rimuru.ops.rms_norm import rms_norm_triton  # noqa: E402
+from rimuru.ops.rope import rope_triton  # noqa: E402
+from rimuru.ops.topk_softmax import topk_softmax_triton  # noqa: E402
 from rimuru.ops.topk_sum import topk_sum_triton  # noqa: E402
 from rimuru.ops.write_kv import write_kv_triton  # noqa: E402
 
@@ -335,6 +337,31 @@ def test_rms_norm(shape):
     tri = rms_norm_triton(x, weight, 1e-6)
     assert tri.shape == ref.shape
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_k_heads,head_dim", [(1, 4, 4, 16), (5, 8, 2, 32), (17, 3, 1, 8)])
+def test_rope(num_tokens, num_q_heads, num_k_heads, head_dim):
+    """q and k as views into one fused projection's rows (a token stride wider than the heads), as the model has them."""
+    gen = torch.Generator().manual_seed(num_tokens)
+    widths = (num_q_heads * head_dim, num_k_heads * head_dim, num_k_heads * head_dim)
+    qkv = torch.randn(num_tokens, sum(widths), generator=gen)
+    q, k, _ = qkv.split(widths, -1)
+    q, k = q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_k_heads, head_dim)
+    angles = torch.randn(num_tokens, head_dim // 2, generator=gen).repeat(1, 2)
+    cos, sin = angles.cos(), angles.sin()
+    for tri, ref in zip(rope_triton(q, k, cos, sin), reference.rope(q, k, cos, sin)):
+        assert tri.is_contiguous()
+        torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize", [(1, 60, 4, False), (17, 128, 8, True),
+                                                                      (40, 5, 1, True), (3, 512, 10, True)])
+def test_topk_softmax(num_tokens, num_experts, top_k, renormalize):
+    logits = torch.randn(num_tokens, num_experts, generator=torch.Generator().manual_seed(num_experts)) * 2
+    ids, weights = topk_softmax_triton(logits, top_k, renormalize)
+    ref_ids, ref_weights = reference.topk_softmax(logits, top_k, renormalize)
+    assert ids.dtype == ref_ids.dtype and torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("num_tokens,top_k,hidden_size,block_d", [(1, 1, 72, 1024), (3, 8, 2048, 1024),

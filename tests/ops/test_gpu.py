@@ -111,6 +111,29 @@ def test_rms_norm_bf16(shape):
     assert (tri.float() - reference.rms_norm(x, weight, 1e-6).float()).abs().max() <= 0.0625  # torch's bf16 form
 
 
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_k_heads", [(1, 16, 16), (2048, 16, 16), (77, 32, 4)])
+def test_rope_bf16_equals_the_torch_form(num_tokens, num_q_heads, num_k_heads):
+    """bf16 on the GPU: each product rounded before the sum, as transformers' form rounds it, so bit for bit."""
+    widths = (num_q_heads * 128, num_k_heads * 128, num_k_heads * 128)
+    q, k, _ = torch.randn(num_tokens, sum(widths), device="cuda").bfloat16().split(widths, -1)
+    q, k = q.view(num_tokens, num_q_heads, 128), k.view(num_tokens, num_k_heads, 128)
+    angles = torch.rand(num_tokens, 64, device="cuda").repeat(1, 2) * 1000
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    poison_allocator()
+    for tri, ref in zip(ops.rope(q, k, cos, sin), reference.rope(q, k, cos, sin)):
+        assert torch.equal(tri, ref)
+
+
+@pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize", [(1, 60, 4, False), (2048, 128, 8, True),
+                                                                      (33, 512, 10, True)])
+def test_topk_softmax_matches_torch(num_tokens, num_experts, top_k, renormalize):
+    logits = torch.randn(num_tokens, num_experts, device="cuda") * 3
+    ids, weights = ops.topk_softmax(logits, top_k, renormalize)
+    ref_ids, ref_weights = reference.topk_softmax(logits, top_k, renormalize)
+    assert torch.equal(ids, ref_ids)
+    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+
+
 def test_write_kv_bf16_exact():
     case = attention_case([(0, 0)], 4, 4, 128, 16, torch.bfloat16, "cuda", spare_pages=8)
     key, value = torch.randn(2, 40, 4, 128, device="cuda", dtype=torch.bfloat16).unbind(0)

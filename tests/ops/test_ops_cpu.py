@@ -38,6 +38,28 @@ def test_opcheck_rms_norm():
     torch.library.opcheck(torch.ops.rimuru.rms_norm.default, (torch.randn(5, 3, 24), torch.randn(24), 1e-6))
 
 
+def test_opcheck_rope():
+    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
+    angles = torch.randn(5, 8).repeat(1, 2)
+    torch.library.opcheck(torch.ops.rimuru.rope.default, (q, k, angles.cos(), angles.sin()))
+
+
+def test_rope_matches_transformers():
+    from transformers.models.qwen2_moe.modeling_qwen2_moe import apply_rotary_pos_emb
+
+    q, k = torch.randn(2, 7, 4, 16, dtype=torch.bfloat16).unbind(0)  # [T, H, Dh]
+    angles = torch.randn(7, 8).repeat(1, 2)
+    cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
+    ours = ops.rope(q, k, cos, sin)
+    assert torch.equal(ours[0], hf_q[0].transpose(0, 1)) and torch.equal(ours[1], hf_k[0].transpose(0, 1))
+
+
+def test_opcheck_topk_softmax():
+    for renormalize in (False, True):
+        torch.library.opcheck(torch.ops.rimuru.topk_softmax.default, (torch.randn(6, 60), 4, renormalize))
+
+
 def test_rms_norm_matches_transformers():
     """The reference is transformers' Qwen2/Qwen3 RMSNorm, to the bit, in fp32 and bf16."""
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeRMSNorm
