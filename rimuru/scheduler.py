@@ -21,6 +21,9 @@ from rimuru.kv_cache import KVCacheManager
 from rimuru.request import Request, RequestStatus
 
 
+REFUSAL_ROUNDS = 4  # rounds a forecast's refusal stands while nothing but decoding changes
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     max_num_seqs: int
@@ -56,6 +59,7 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_preemptions = 0
         self.num_refusals = 0  # rounds whose next waiting request the forecast kept out
+        self._refusal: tuple | None = None  # (`_decoding_key`, pages lacking, rounds it still stands)
 
     def add(self, request: Request) -> None:
         request.waiting_since = time.monotonic()
@@ -138,7 +142,22 @@ class Scheduler:
         self.waiting.appendleft(request)
         batch.preempted.append(request)
 
+    def _decoding_key(self) -> tuple | None:
+        """What decides the forecast's answer for the next waiting request while every running request decodes:
+        then each grows a token a round and their demand over time is fixed until one ends. The answer can still
+        turn (the waiting request's own growth meets the batch's ends sooner each round), so a refusal stands for
+        `REFUSAL_ROUNDS` rounds of one key at most. None while some request is still prefilling."""
+        if any(r.num_computed_tokens != r.num_tokens - 1 for r in self.running):
+            return None
+        ids = tuple(r.request_id for r in self.running)
+        return self.waiting[0].request_id, self._capacity_pages(), self.forecast.ratio, ids
+
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+        key = self._decoding_key() if self.waiting and self.running else None
+        if key is not None and self._refusal is not None and self._refusal[0] == key and self._refusal[2] > 0:
+            self._refusal = (key, self._refusal[1], self._refusal[2] - 1)
+            self._refused_pages, self.num_refusals = self._refusal[1], self.num_refusals + 1
+            return  # refused again without the forecast's two passes (most of a round's host time)
         admission = _Admission(self) if self.waiting else None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
@@ -146,6 +165,8 @@ class Scheduler:
             if not admission.admits(request) and self.running:  # alone it is served: it may stop early
                 self._refused_pages = admission.lacking * self.kv_cache.num_layers
                 self.num_refusals += 1
+                fresh = key is not None and len(self.running) == len(key[3])  # nothing joined before it this round
+                self._refusal = (key, self._refused_pages, REFUSAL_ROUNDS - 1) if fresh else None
                 return
             if not self.kv_cache.allocate(request.request_id, num_new):
                 if self._adjuster_can_cover(self.kv_cache.num_new_pages(request.request_id, num_new)):

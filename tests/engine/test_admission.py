@@ -50,3 +50,55 @@ def test_the_ratio_follows_the_share_of_max_tokens_that_finished_requests_used()
     assert forecast.remaining(request(5, 100, generated=100)) == 0
     # a: 26 tokens, 20 more; b: 30 tokens, ceil(0.25 * 10) = 3 more. At t = 3: 29 -> 2 pages and 33 -> 3
     assert forecast.peak_pages([request(5, 100, generated=21), request(30, 10)]) == 5
+
+
+class CountedPages:
+    """A page allocator stand-in of `capacity` KV pages that only counts them."""
+
+    def __init__(self, capacity: int):
+        self.capacity, self.used, self.held = capacity, 0, {}
+
+    def num_free_small_pages(self, kind=None) -> int:
+        return self.capacity - self.used
+
+    def allocate(self, owner, count, kind=None):
+        if count > self.num_free_small_pages():
+            return None
+        self.used += count
+        self.held[owner] = self.held.get(owner, 0) + count
+        return [0] * count
+
+    def free(self, owner) -> None:
+        self.used -= self.held.pop(owner, 0)
+
+    def expert_pages_for(self, num_small_pages: int) -> int:
+        return num_small_pages
+
+
+def test_a_refusal_stands_a_few_decode_rounds_without_the_forecast_and_never_preempts(monkeypatch):
+    """Two requests decode and a third waits that the forecast refuses: the refusal is recomputed once every
+    REFUSAL_ROUNDS rounds (two peak passes each time), not every round; and the whole run never preempts."""
+    from rimuru.kv_cache import KVCacheManager
+    from rimuru.scheduler import REFUSAL_ROUNDS, Scheduler, SchedulerConfig
+
+    kv = KVCacheManager(CountedPages(12), 1, 16, max_slots=8, max_model_len=1024)
+    scheduler = Scheduler(SchedulerConfig(8, 256), kv)
+    passes = []
+    real = scheduler.forecast.peak_pages
+    monkeypatch.setattr(scheduler.forecast, "peak_pages", lambda requests: passes.append(1) or real(requests))
+    for i, (prompt, out) in enumerate([(40, 60), (40, 60), (60, 40)]):
+        scheduler.add(Request(f"r{i}", [1] * prompt, SamplingParams(max_tokens=out, ignore_eos=True), out))
+    rounds = 0
+    while scheduler.has_unfinished():
+        batch = scheduler.schedule()
+        for r, n in zip(batch.requests, batch.num_new_tokens):
+            r.num_computed_tokens += n
+            if r.num_computed_tokens >= r.num_tokens:
+                r.output_token_ids.append(2)
+                if len(r.output_token_ids) >= r.max_tokens:
+                    scheduler.finish(r, "length")
+        rounds += 1
+        if rounds == 2 + 4 * REFUSAL_ROUNDS:
+            refusals, checked = scheduler.num_refusals, len(passes)
+    assert refusals >= 4 * REFUSAL_ROUNDS and checked <= 2 * (refusals // REFUSAL_ROUNDS + 2)
+    assert scheduler.num_preemptions == 0
