@@ -308,12 +308,13 @@ sampler() {  # a step of 140 sampled requests, Qwen's vocabulary (tools/bench_sa
 # in one call (docs/benchmarks/vs-vllm.md). vLLM's parts must be in /tmp/parts (see ../shared/peers/vllm/README.md:
 # one call a part, carrying .peers/vllm/vllm.part-0N); carry .peers/vllm/bin and .bench. VS_STREAMS (default the
 # 400 at 10/s and 200 at once streams), VS_POLICIES ("resident default"), ORDER=rimuru-first to alternate, CALL
-# names the call in vs-vllm.json. Records, logs and the merged table in $OUT.
+# names the call in vs-vllm.json. VS_VLLM_RECORDS=DIR takes vLLM's records of an earlier call from DIR (carried)
+# instead of running it again. Records, logs and the merged table in $OUT.
 vsvllm() {
   local dir="$OUT/vs" streams=(${VS_STREAMS:-.bench/stream-400-r10.jsonl .bench/stream-200-r0.jsonl}) runs=() s p
   mkdir -p "$dir"
-  [ -d /tmp/vsite ] || bash .peers/vllm/install.sh .peers/vllm/bin > "$dir/vllm-install.log" 2>&1 \
-    || { tail -5 "$dir/vllm-install.log"; return 1; }
+  [ -n "${VS_VLLM_RECORDS:-}" ] || [ -d /tmp/vsite ] || bash .peers/vllm/install.sh .peers/vllm/bin \
+    > "$dir/vllm-install.log" 2>&1 || { tail -5 "$dir/vllm-install.log"; return 1; }
   for s in "${streams[@]}"; do
     for p in ${VS_POLICIES:-resident default}; do
       case $p in
@@ -324,7 +325,10 @@ vsvllm() {
   done
   local vllm_cmd=(python tools/vllm_replay.py "$MODEL" --budget-gib "${BUDGET%GiB}" --out-dir "$dir")
   for s in "${streams[@]}"; do vllm_cmd+=(--stream "$s"); done
-  run_vllm() { (source /tmp/vsite/env.sh && "${vllm_cmd[@]}") > "$dir/vllm.log" 2>&1; grep -h output_tokens_per_s "$dir"/vllm-*.json | cut -c1-200; }
+  run_vllm() {
+    if [ -n "${VS_VLLM_RECORDS:-}" ]; then cp "$VS_VLLM_RECORDS"/vllm-*.json "$dir/"; return; fi
+    (source /tmp/vsite/env.sh && "${vllm_cmd[@]}") > "$dir/vllm.log" 2>&1; grep -h output_tokens_per_s "$dir"/vllm-*.json | cut -c1-200
+  }
   run_rimuru() {
     python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$MODEL/expert_ranking-vs.json" \
       --common "--gpu-memory-budget $BUDGET --max-num-batched-tokens 2048 --quiet ${DUMMY[*]} ${BENCH_FLAGS:-}" "${runs[@]}"
