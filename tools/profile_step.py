@@ -22,10 +22,11 @@ from rimuru.sampling_params import SamplingParams
 from rimuru.serving.cli import add_engine_arguments, engine_options
 
 
-def fill(engine: Engine, requests: list[dict]) -> None:
-    """Submit the requests and step until every prompt is prefilled, so the profiled steps are decodes."""
+def fill(engine: Engine, requests: list[dict], max_tokens: int = 4096) -> None:
+    """Submit the requests and step until every prompt is prefilled, so the profiled steps are decodes. The growth
+    forecast admits as many as can reach `max_tokens`: a smaller allowance profiles a larger batch."""
     for r in requests:
-        room = min(4096, engine.config.max_model_len - len(r["prompt_token_ids"]))  # decodes for the whole profile
+        room = min(max_tokens, engine.config.max_model_len - len(r["prompt_token_ids"]))
         engine.add_request(r["id"], r["prompt_token_ids"], SamplingParams(temperature=0, max_tokens=room, ignore_eos=True))
     while any(q.num_computed_tokens < len(q.prompt_token_ids) for q in engine.scheduler.running) or engine.scheduler.waiting:
         engine.step()
@@ -92,10 +93,11 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=200)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
+    parser.add_argument("--max-tokens", type=int, default=4096, help="each request's allowance (sizes the batch)")
     add_engine_arguments(parser)
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, **engine_options(args)))
-    fill(engine, read_stream(args.stream, args.num_requests))
+    fill(engine, read_stream(args.stream, args.num_requests), args.max_tokens)
     timed_steps(engine, 3)  # warm-up
     print(f"decode step, {len(engine.scheduler.running)} running: {timed_steps(engine, args.steps) * 1e3:.2f} ms")
     for label, ms in host_phases(engine, args.steps).items():
