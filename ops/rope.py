@@ -1,10 +1,10 @@
 """`rimuru::rope`: the neox rotary embedding of q and k in one kernel (transformers' Qwen numerics).
 
 Owns one Triton kernel and its launcher; the reference is `rimuru.ops.reference.rope`. The torch form launches
-four kernels a tensor (negate, concatenate, two products and a sum, as eight launches for q and k) in every layer
-of a step. One program rotates all heads of one token of q or of k; q and k may be views into the fused QKV
-projection (any token stride), the outputs are contiguous. Each product is rounded to the dtype before the sum,
-as transformers' `q * cos + rotate_half(q) * sin` rounds it, so bf16 outputs equal the torch form's.
+a negation, a concatenation, two products and a sum for each of q and k in every layer of a step. One program
+rotates all heads of one token of q or of k; q and k may be views into the fused QKV projection (any token
+stride), the outputs are contiguous. Each product is rounded to the dtype before the sum, as transformers' `q * cos + rotate_half(q) * sin` rounds it,
+so bf16 outputs equal the torch form's.
 """
 
 import torch

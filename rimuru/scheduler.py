@@ -3,7 +3,8 @@
 Each round: running requests first, in admission order (a decode is one token; an unfinished prefill gets the next
 chunk), then waiting requests while the token budget, `max_num_seqs` and the pool allow. A waiting request is
 admitted only when the pool can carry it and the running batch to their ends (`GrowthForecast`: its prompt fitting
-today is not enough, since the batch keeps growing a token a request a step). When a running request still cannot
+today is not enough, since the batch keeps growing a token a request a step); while the batch only decodes, a
+refusal stands a few rounds without recomputing the forecast. When a running request still cannot
 get its pages (it outgrew its forecast), the newest running request is preempted: its pages are freed and it waits
 at the front of the queue to be recomputed, prompt and output alike, so its output is exactly what it would have
 been. The KV pages the round was short of, admissions refused included, are recorded for the adjuster. While the
