@@ -3,8 +3,8 @@
 Owns one Triton kernel and its launcher; the reference is `rimuru.ops.reference.rope`. The torch form launches
 a negation, a concatenation, two products and a sum for each of q and k in every layer of a step. One program
 rotates all heads of one token of q or of k; q and k may be views into the fused QKV projection (any token
-stride), the outputs are contiguous. Each product is rounded to the dtype before the sum, as transformers' `q * cos + rotate_half(q) * sin` rounds it,
-so bf16 outputs equal the torch form's.
+stride), the outputs are contiguous. Each product is rounded to the dtype before the sum, as transformers'
+`q * cos + rotate_half(q) * sin` rounds it, so bf16 outputs equal the torch form's.
 """
 
 import torch
