@@ -15,6 +15,15 @@ from rimuru.ops import reference
 
 
 @triton.jit
+def _bf16_rounded(x):
+    """fp32 x rounded to bf16 (to nearest, ties to even) on its bits: the GPU compiler kept the exact fp32 product
+    where a `.to(bf16).to(fp32)` round trip stood, which broke bit equality with the torch form."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def _rotate_heads(p_x, p_out, p_cos, p_sin, i_t, num_heads, stride_xt, stride_xh, HALF: tl.constexpr,
                   BLOCK_H: tl.constexpr):  # fmt: skip
     o_h = tl.arange(0, BLOCK_H)[:, None]
@@ -26,8 +35,14 @@ def _rotate_heads(p_x, p_out, p_cos, p_sin, i_t, num_heads, stride_xt, stride_xh
     c1, c2 = tl.load(p_cos + i_t * 2 * HALF + o_d), tl.load(p_cos + i_t * 2 * HALF + HALF + o_d)  # [1, Dh / 2]
     s1, s2 = tl.load(p_sin + i_t * 2 * HALF + o_d), tl.load(p_sin + i_t * 2 * HALF + HALF + o_d)
     dtype = p_out.dtype.element_ty
-    out1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
-    out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
+    x1, x2, c1, c2 = x1.to(tl.float32), x2.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32)
+    s1, s2 = s1.to(tl.float32), s2.to(tl.float32)
+    if dtype == tl.bfloat16:
+        out1 = _bf16_rounded(x1 * c1) + _bf16_rounded(-x2 * s1)
+        out2 = _bf16_rounded(x2 * c2) + _bf16_rounded(x1 * s2)
+    else:
+        out1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
+        out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)
     p_dst = p_out + i_t * num_heads * 2 * HALF + o_h * 2 * HALF + o_d
     tl.store(p_dst, out1.to(dtype), mask=m_h)
     tl.store(p_dst + HALF, out2.to(dtype), mask=m_h)
