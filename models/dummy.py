@@ -38,18 +38,15 @@ from rimuru.models.checkpoint import ExpertWeights
 from rimuru.models.config import ModelConfig
 
 
-def dummy_state(model: torch.nn.Module, config: ModelConfig, device, dtype, seed: int) -> dict[str, torch.Tensor]:
-    """Random non-expert weights at the scales of the module docstring; tied weights appear once."""
-    gen = torch.Generator(device=device).manual_seed(seed)
-    state = {}
-    for name, shape in model.checkpoint_shapes().items():
-        tensor = torch.empty(shape, device=device, dtype=dtype)
+def fill_dummy_weights(weights: dict[str, torch.Tensor], config: ModelConfig, seed: int) -> None:
+    """Random non-expert weights at the scales of the module docstring, in place (checkpoint key -> its tensor, in
+    the model's order; tied weights appear once)."""
+    gen = torch.Generator(device=next(iter(weights.values())).device).manual_seed(seed)
+    for name, tensor in weights.items():
         if name.endswith("norm.weight"):
             tensor.fill_(1.0)
         else:
             tensor.normal_(0.0, _std(name, config), generator=gen)
-        state[name] = tensor
-    return state
 
 
 def _std(name: str, config: ModelConfig) -> float:

@@ -39,30 +39,18 @@ class RotaryEmbedding(nn.Module):
         return angles.cos().to(dtype), angles.sin().to(dtype)
 
 
-def stacked_linear(*parts: nn.Linear) -> nn.Linear:
-    """One linear layer whose output rows are the parts' in order: one GEMM where the checkpoint has several."""
-    weight = torch.cat([part.weight.detach() for part in parts])  # [sum of N, K]
-    bias = parts[0].bias is not None
-    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias, device="meta", dtype=weight.dtype)
-    linear.weight = nn.Parameter(weight, requires_grad=False)
-    if bias:
-        linear.bias = nn.Parameter(torch.cat([part.bias.detach() for part in parts]), requires_grad=False)
-    return linear
-
-
 class MLP(nn.Module):
     """SwiGLU MLP: the dense layers of `mlp_only_layers` and qwen2_moe's shared expert."""
 
     def __init__(self, hidden_size: int, intermediate_size: int):
         super().__init__()
-        self.gate_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
-        self.up_proj = nn.Linear(hidden_size, intermediate_size, bias=False)
+        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=False)  # one GEMM for two
         self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+        self.intermediate_size = intermediate_size
 
-    def fuse_projections(self) -> None:
-        """Gate and up as one projection (`gate_up_proj`, gate rows first); the loader calls this once loaded."""
-        self.gate_up_proj = stacked_linear(self.gate_proj, self.up_proj)
-        del self.gate_proj, self.up_proj
+    def stacked_parts(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """The checkpoint's projections each stacked one holds, with their rows, in order (the loader's map)."""
+        return {"gate_up_proj": (("gate_proj", self.intermediate_size), ("up_proj", self.intermediate_size))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
         gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
@@ -79,17 +67,15 @@ class Attention(nn.Module):
         self.head_dim = config.head_dim
         self.scale = self.head_dim**-0.5
         d, dh, bias = config.hidden_size, config.head_dim, config.qkv_bias
-        self.q_proj = nn.Linear(d, self.num_heads * dh, bias=bias)
-        self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=bias)
-        self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=bias)
+        self.qkv_proj = nn.Linear(d, (self.num_heads + 2 * self.num_kv_heads) * dh, bias=bias)  # q, k, v rows
         self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.o_proj_bias)
         self.q_norm = RMSNorm(dh, config.rms_norm_eps) if use_qk_norm else None
         self.k_norm = RMSNorm(dh, config.rms_norm_eps) if use_qk_norm else None
 
-    def fuse_projections(self) -> None:
-        """q, k and v as one projection (`qkv_proj`); the loader calls this once loaded."""
-        self.qkv_proj = stacked_linear(self.q_proj, self.k_proj, self.v_proj)
-        del self.q_proj, self.k_proj, self.v_proj
+    def stacked_parts(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """The checkpoint's projections each stacked one holds, with their rows, in order (the loader's map)."""
+        q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        return {"qkv_proj": (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))}
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         num_tokens, dh = x.shape[0], self.head_dim

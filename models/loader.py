@@ -16,7 +16,7 @@ from tqdm.auto import tqdm
 from rimuru.models.checkpoint import ExpertCollector, ExpertWeights, canonical_key, parse_expert_key
 from rimuru.models.checkpoint import resolve_folder, safetensors_files
 from rimuru.models.config import ModelConfig
-from rimuru.models.dummy import apply_router_skew, dummy_experts, dummy_state
+from rimuru.models.dummy import apply_router_skew, dummy_experts, fill_dummy_weights
 from rimuru.models.qwen_moe import QwenMoeForCausalLM, model_class
 
 
@@ -58,30 +58,41 @@ def from_pretrained(
     device = torch.device(device)
     with init_empty_weights():
         model = model_class(config)(config)
-    if load_format == "dummy":
-        state, experts = dummy_state(model, config, device, dtype, seed), dummy_experts(config, device, dtype, seed,
-                                                                                        progress)  # fmt: skip
-        if router_skew > 0:
-            apply_router_skew(state, experts, config, router_skew, seed, router_regimes)
-    elif load_format == "auto":
-        state, experts = _read_checkpoint(model, config, folder, device, dtype, progress)
-    else:
+    if load_format not in ("auto", "dummy"):
         raise ValueError(f"load_format must be 'auto' or 'dummy', got {load_format!r}")
-    _assign(model, state, device)
-    del state  # the fused projections replace these tensors
-    model.fuse_projections()
-    if device.type == "cuda":
-        torch.cuda.empty_cache()  # the unfused tensors' blocks, before the pool is sized
+    params, weights = _allocate(model, device, dtype)
+    if load_format == "dummy":
+        fill_dummy_weights(weights, config, seed)
+        experts = dummy_experts(config, device, dtype, seed, progress)
+        if router_skew > 0:
+            apply_router_skew(weights, experts, config, router_skew, seed, router_regimes)
+    else:
+        experts = _read_checkpoint(weights, config, folder, progress)
+    _assign(model, params, device)
+    model.keep_routers_in_fp32()
     return LoadedModel(model=model.eval(), config=config, experts=experts, folder=folder)
 
 
-def _read_checkpoint(model, config: ModelConfig, folder: str, device, dtype, progress: bool):
-    """Every tensor of every shard, once: experts to host buffers, the rest to `device` in `dtype`."""
-    expected = set(model.checkpoint_shapes())
+def _allocate(model: QwenMoeForCausalLM, device, dtype) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(parameter name -> its tensor, checkpoint key -> the rows of its parameter), all allocated empty on `device`
+    before any is filled. A stacked projection is one allocation that its parts are read into: parts allocated on
+    their own and freed once stacked left holes the caching allocator kept reserved (1 GiB over the budget)."""
+    layout = model.checkpoint_layout()
+    shapes = dict(model.named_parameters(remove_duplicate=False))
+    params = {name: torch.empty(shapes[name].shape, device=device, dtype=dtype)
+              for name in dict.fromkeys(name for name, _, _ in layout.values())}  # fmt: skip
+    weights = {key: params[name].narrow(0, row, shape[0]) for key, (name, row, shape) in layout.items()}
+    return params, weights
+
+
+def _read_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, folder: str, progress: bool):
+    """Every tensor of every shard, once: experts to host buffers, the rest into `weights` (the rows of each
+    checkpoint key in its parameter, on the device, in the model's dtype)."""
+    dtype = next(iter(weights.values())).dtype
     collector = ExpertCollector(
         config.moe_layer_ids, config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype
     )
-    state, unexpected = {}, []
+    read, unexpected = set(), []
     files = safetensors_files(folder)
     with tqdm(total=len(files), desc="Loading shards", unit="shard", disable=not progress) as bar:
         for file in files:
@@ -91,15 +102,16 @@ def _read_checkpoint(model, config: ModelConfig, folder: str, device, dtype, pro
                     parsed = parse_expert_key(name)
                     if parsed is not None:
                         accepted = collector.put(name, parsed, f.get_tensor(key))
-                    elif (accepted := name in expected):
-                        state[name] = f.get_tensor(key).to(device=device, dtype=dtype)
+                    elif (accepted := name in weights and f.get_slice(key).get_shape() == [*weights[name].shape]):
+                        weights[name].copy_(f.get_tensor(key))
+                        read.add(name)
                     elif name == "lm_head.weight" and config.tie_word_embeddings:
                         accepted = True  # tied: the embedding is the head
                     if not accepted:
                         unexpected.append(key)
             bar.update(1)
-    _check_keys(folder, sorted(expected - state.keys()) + collector.missing(), unexpected)
-    return state, collector.layers
+    _check_keys(folder, sorted(weights.keys() - read) + collector.missing(), unexpected)
+    return collector.layers
 
 
 def _check_keys(folder: str, missing: list[str], unexpected: list[str]) -> None:
@@ -110,9 +122,9 @@ def _check_keys(folder: str, missing: list[str], unexpected: list[str]) -> None:
     raise ValueError(f"checkpoint {folder!r} does not match the model: " + "; ".join(p for p in parts if p))
 
 
-def _assign(model: QwenMoeForCausalLM, state: dict[str, torch.Tensor], device) -> None:
+def _assign(model: QwenMoeForCausalLM, params: dict[str, torch.Tensor], device) -> None:
     """Swap the meta parameters for the loaded tensors (no copy) and move the buffers (RoPE table) to `device`."""
-    model.load_state_dict(state, strict=False, assign=True)
+    model.load_state_dict(params, strict=False, assign=True)
     model.tie_weights()
     model.to(device)
     meta = [name for name, p in model.named_parameters() if p.is_meta]

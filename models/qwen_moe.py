@@ -33,7 +33,7 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
-    def fuse_projections(self) -> None:
+    def keep_router_in_fp32(self) -> None:
         """The router's weight kept in fp32, so a step does not cast it again; the loader calls this once loaded."""
         self.register_buffer("router_weight", self.gate.weight.detach().float(), persistent=False)  # [E, D]
 
@@ -109,22 +109,37 @@ class QwenMoeForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def fuse_projections(self) -> None:
-        """Stack the projections the checkpoint keeps apart (QKV, each MLP's gate and up) and keep the routers in
-        fp32: fewer, larger kernels a step. Call once the weights are loaded; the forward pass expects it."""
-        for module in list(self.modules()):
-            if module is not self and hasattr(module, "fuse_projections"):
-                module.fuse_projections()
+    def keep_routers_in_fp32(self) -> None:
+        """Each router's weight as an fp32 buffer beside it; the loader calls this once the weights are in."""
+        for module in self.modules():
+            if isinstance(module, SparseMoeBlock):
+                module.keep_router_in_fp32()
 
-    def checkpoint_shapes(self) -> dict[str, torch.Size]:
-        """Checkpoint key -> shape of every non-expert weight; without `lm_head.weight` when tied.
+    def checkpoint_layout(self) -> dict[str, tuple[str, int, torch.Size]]:
+        """Checkpoint key -> (parameter name, first row, shape) of every non-expert weight: a stacked projection
+        (`stacked_parts`: QKV, each MLP's gate and up) takes its parts' rows in order. Without `lm_head.weight` when
+        tied.
 
         NOTE: under `accelerate.init_empty_weights` the tie in `__init__` is replaced by two meta tensors, so the
         tie is read from the config here, not from parameter identity."""
-        shapes = {name: p.shape for name, p in self.named_parameters(remove_duplicate=False)}
+        stacked = {f"{prefix}.{name}": parts for prefix, module in self.named_modules()
+                   if hasattr(module, "stacked_parts") for name, parts in module.stacked_parts().items()}  # fmt: skip
+        layout = {}
+        for name, param in self.named_parameters(remove_duplicate=False):
+            owner, _, kind = name.rpartition(".")  # "model.layers.0.self_attn.qkv_proj", "weight"
+            row = 0
+            for part, rows in stacked.get(owner, ()):
+                layout[f"{owner.rpartition('.')[0]}.{part}.{kind}"] = (name, row, torch.Size((rows, *param.shape[1:])))
+                row += rows
+            if owner not in stacked:
+                layout[name] = (name, 0, param.shape)
         if self.config.tie_word_embeddings:
-            shapes.pop("lm_head.weight")
-        return shapes
+            layout.pop("lm_head.weight")
+        return layout
+
+    def checkpoint_shapes(self) -> dict[str, torch.Size]:
+        """Checkpoint key -> shape of every non-expert weight (`checkpoint_layout`)."""
+        return {key: shape for key, (_, _, shape) in self.checkpoint_layout().items()}
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T] -> [B', V]
         return run_pieces(self.steps(input_ids, ctx), ctx.on_routing)

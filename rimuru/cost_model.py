@@ -5,7 +5,8 @@ Pure functions first (tested on hand-computed numbers), then `CostModel`, which 
   additions), timed by the copier (CUDA events on a GPU, wall time on CPU);
 - compute time per step: the engine's wall time around the forward pass and sampling;
 - tokens per step, requests running and KV pages a running request holds (what evicting one more expert admits).
-Measurements are exponential moving averages; `pin` fixes any of them (tests, or an operator who knows better).
+Timings (bandwidth, compute) are exponential moving averages, the batch's figures the last step's; `pin` fixes any
+of them (tests, or an operator who knows better).
 
 The model, kept simple on purpose:
 - a batch of T tokens routes T x K times; an expert of routing share p is touched by it with probability
@@ -75,17 +76,21 @@ class CostModel:
             self.bandwidth = ema(self.bandwidth, num_bytes / seconds, self.weight)
 
     def observe_step(self, seconds: float, num_tokens: int, running: int = 0, kv_pages: int = 0) -> None:
-        """One step: its wall time and tokens, the requests running and the KV pages they hold. A step mostly of
-        prefill tokens (over twice its requests) is left out: the model weighs decode throughput, and a long
-        prefill step of few requests (a warm-up, a burst's first chunks) made every eviction look profitable."""
+        """One step: its wall time and tokens, the requests running and the KV pages they hold. The batch's own
+        figures (tokens, running, pages a request) are taken as they are now, not averaged: they describe the batch
+        an eviction would act on, and averages still holding a warm-up's 6 requests when 65 ran made the first
+        evictions look 10x cheaper than they were. A step mostly of prefill tokens (over twice its requests) is left
+        out: the model weighs decode throughput."""
         if running and num_tokens > 2 * running:
             return
-        observed = {"compute_s": seconds, "tokens_per_step": float(num_tokens), "running": float(running)}
+        if "compute_s" not in self.pinned:
+            self.compute_s = ema(self.compute_s, seconds, self.weight)
+        current = {"tokens_per_step": float(num_tokens), "running": float(running)}
         if running > 0:
-            observed["kv_pages_per_request"] = kv_pages / running
-        for name, value in observed.items():
+            current["kv_pages_per_request"] = kv_pages / running
+        for name, value in current.items():
             if name not in self.pinned:
-                setattr(self, name, ema(getattr(self, name), value, self.weight))
+                setattr(self, name, value)
 
     @property
     def is_measured(self) -> bool:

@@ -585,3 +585,21 @@ def test_prefill_heavy_steps_leave_the_decode_model_unmeasured():
     assert model.compute_s is None and model.running is None
     model.observe_step(0.010, 31, running=30, kv_pages=300)
     assert (model.compute_s, model.tokens_per_step, model.running, model.kv_pages_per_request) == (0.010, 31.0, 30.0, 10.0)
+
+
+def test_the_batch_figures_are_the_last_steps_not_a_warm_ups():
+    """Seen on the H200 (flat routing, 200 requests at once): a warm-up's decode steps of 6 requests still held the
+    averages when 65 ran, so a nominee touched by 65 x 4 routings (0.33 ms to read) was weighed as if by 14 x 4
+    (0.17 ms) against a batch of 6.5, and 31 experts left. The batch's figures are the last step's."""
+    model = CostModel()
+    for _ in range(20):
+        model.observe_step(0.008, 6, running=6, kv_pages=600)
+    model.observe_step(0.011, 65, running=65, kv_pages=18_720)
+    assert (model.running, model.tokens_per_step, model.kv_pages_per_request) == (65.0, 65.0, 288.0)
+    assert 0.008 < model.compute_s < 0.011  # timings stay averages
+    gained = kv_pages_freed(1, 3, 44) / model.kv_pages_per_request  # 132 / 288 = 0.46 requests an expert
+    read_s = 17.3e6 / 53e9  # one Qwen1.5-MoE expert over the host link
+    costs = [n * read_s * touch_probability(1 / 60, model.tokens_per_step, 4) for n in range(4)]
+    assert profitable_evictions(model.compute_s, model.running, gained, costs) == 0
+    stale = [n * read_s * touch_probability(1 / 60, 13.7, 4) for n in range(4)]
+    assert profitable_evictions(model.compute_s, 6.5, gained, stale) == 3  # what the averages had said

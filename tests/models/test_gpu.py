@@ -68,3 +68,17 @@ def test_dummy_full_width_loads_fast_and_skews_routing(tmp_path):
             assert max(top8) < 0.15  # uniform: 8 / 128 = 0.06
         if skew == 2.0:
             assert min(top8) > 0.5
+
+
+def test_loading_reserves_no_more_than_the_weights(tmp_path):
+    """Stacked projections are read into one allocation each: parts allocated apart and freed once stacked left
+    blocks the caching allocator kept reserved, which the pool's sizing did not see (the budget overran by 1 GiB)."""
+    config = QWEN3_30B_A3B | {"num_hidden_layers": 4}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    torch.cuda.empty_cache()
+    reserved, allocated = torch.cuda.memory_reserved(), torch.cuda.memory_allocated()
+    loaded = from_pretrained(tmp_path, device="cuda", load_format="dummy", progress=False)
+    grown_reserved = torch.cuda.memory_reserved() - reserved
+    grown_allocated = torch.cuda.memory_allocated() - allocated
+    assert grown_reserved - grown_allocated < 0.02 * grown_allocated + 2**24
+    del loaded
