@@ -42,7 +42,9 @@ class EngineConfig:
     page_tokens: int = DEFAULT_PAGE_TOKENS
     tokenizer: str | None = None  # None: the checkpoint folder
     expert_policy: str = "elastic"  # "resident" | "fixed" | "elastic" (DESIGN.md section 3)
-    expert_offload_limit: int | None = None  # elastic cap per layer, also sizing the loading buffers; None: a quarter
+    # elastic cap per layer, also sizing the loading buffers. None: no cap with direct reads (the budget and the cost
+    # rule decide); with copies, a quarter of a layer or the least the budget requires, whichever is more
+    expert_offload_limit: int | None = None
     # elastic: "cost" (rimuru.cost_adjuster) | "paper" (DESIGN.md section 4). The cost rule, at or above 0.99x the
     # paper's at every rate and skew measured on the H200 and 1.32x it under flatter routing (paper-scenario.md)
     adjuster: str = "cost"
@@ -63,12 +65,14 @@ class EngineConfig:
     progress: bool = True
 
     def offload_count(self, num_experts: int) -> int:
-        """Experts a layer may offload under this policy (0 for resident); ValueError beyond the layer's experts."""
+        """Experts a layer may offload under this policy (0 for resident; elastic with copies and no limit: see
+        `least_offload_per_layer`, which may raise it); ValueError beyond the layer's experts."""
         if self.expert_policy == "resident":
             return 0
         chosen = self.offload_per_layer if self.expert_policy == "fixed" else self.expert_offload_limit
         name = "offload_per_layer" if self.expert_policy == "fixed" else "expert_offload_limit"
-        count = num_experts // 4 if chosen is None else chosen
+        uncapped = self.expert_policy == "elastic" and self.expert_reads == "direct"
+        count = (num_experts if uncapped else num_experts // 4) if chosen is None else chosen
         if not 0 <= count <= num_experts:
             raise ValueError(f"{name} must be in [0, {num_experts}] (the experts of a layer), got {count}")
         return count

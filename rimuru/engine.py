@@ -18,7 +18,7 @@ from rimuru.config import EngineConfig
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds
 from rimuru.cuda_allocator import use_expandable_segments
 from rimuru.expert_manager import ExpertManager
-from rimuru.expert_placement import check_budget, initial_offload
+from rimuru.expert_placement import check_budget, initial_offload, least_offload_per_layer
 from rimuru.expert_ranking import find_ranking
 from rimuru.expert_store import ExpertStore
 from rimuru.kv_cache import KVCacheManager
@@ -148,6 +148,8 @@ class Engine:
         self.experts = ExpertStore(self.loaded.experts, mc.num_hidden_layers, self.pool, self.allocator)
         count = cfg.offload_count(mc.num_experts)
         direct = cfg.expert_reads == "direct"
+        if cfg.expert_policy == "elastic" and cfg.expert_offload_limit is None and not direct:
+            count = least_offload_per_layer(self.experts, count)
         buffer_experts = 0 if direct else count  # direct reads need no loading buffers
         check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes, buffer_experts)
         ranking = find_ranking(folder, cfg.expert_ranking, mc.moe_layer_ids, mc.num_experts)

@@ -29,6 +29,16 @@ def initial_offload(policy: str, count: int, store: ExpertStore, adjuster: Adjus
     return offload
 
 
+def least_offload_per_layer(store: ExpertStore, floor: int) -> int:
+    """The fewest experts a layer may offload (at least `floor`) for the pool to hold two loading buffers of that
+    many experts, every other expert and one page of KV: what an elastic start with copies and no limit needs."""
+    layers, experts, pages = len(store.layer_ids), store.num_experts, store.allocator.num_free_expert_pages
+    for count in range(floor, experts + 1):
+        if (layers * (experts - count) + 2 * count) * PAGES_PER_EXPERT + 1 <= pages:
+            return count
+    return experts
+
+
 def check_budget(policy: str, count: int, store: ExpertStore, pool_bytes: int, buffer_experts: int) -> None:
     """ValueError with the numbers when the pool cannot hold the loading buffers and the experts that must stay."""
     if policy == "resident":

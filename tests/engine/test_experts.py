@@ -280,3 +280,24 @@ def test_elastic_starts_when_the_experts_do_not_fit(family, shortfall_pages):
     engine, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=2, cuda_graphs=True)
     assert engine.runner.graphs is not None and engine.experts.num_offloaded >= 1
     assert tokens == expected
+
+
+@pytest.mark.parametrize("reads", ["direct", "copy"])
+def test_the_default_policy_starts_wherever_a_fixed_offload_would(family, reads):
+    """A budget sweep down to every routed expert on the host: with no policy flags the engine starts at each budget
+    a fixed offload of that many experts a layer starts at (the least the budget requires goes to the host), and
+    its greedy tokens are Hugging Face's. A cap of a quarter of a layer (2 of 8) used to refuse below that."""
+    folder, prompts, expected = family
+    engine = LLM(folder, progress=False, expert_policy="resident").engine
+    expert_bytes, layers = 3 * engine.pool.sizes.expert_page_bytes, len(engine.experts.layer_ids)
+    del engine
+    for offload in (0, 3, 6, 8):
+        buffers = offload if reads == "copy" else 0  # direct reads need no loading buffers
+        budget = budget_for(folder, kv_tokens=60, offload=buffers) - offload * layers * expert_bytes
+        fixed, tokens = run(folder, prompts[:2], gpu_memory_budget=budget, expert_policy="fixed",
+                            offload_per_layer=offload, expert_reads=reads)  # fmt: skip
+        assert tokens == expected[:2]
+        default, tokens = run(folder, prompts[:2], gpu_memory_budget=budget, expert_reads=reads)
+        assert tokens == expected[:2]
+        if reads == "direct":  # the least the budget requires: no more than the fixed offload, within a layer's
+            assert (offload - 1) * layers <= default.experts.num_offloaded <= offload * layers
