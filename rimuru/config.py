@@ -2,6 +2,7 @@
 model and the machine. Components receive only the few fields they need, never this whole object.
 """
 
+import os
 import re
 from dataclasses import dataclass, replace
 
@@ -23,6 +24,31 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"gpu_memory_budget must be bytes or a size such as '30GiB', got {value!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def _check_device(device: str, budget: int | None) -> None:
+    """ValueError for a device torch cannot use, or a budget that is not positive or exceeds the device's memory."""
+    kind = torch.device(device).type
+    if kind == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} finds no CUDA device")
+    if budget is None:
+        return
+    if budget <= 0:
+        raise ValueError(f"gpu_memory_budget must be positive, got {budget} bytes")
+    total = torch.cuda.get_device_properties(torch.device(device)).total_memory if kind == "cuda" else host_memory()
+    if budget > total:
+        raise ValueError(f"gpu_memory_budget {budget / 2**30:.2f} GiB exceeds the {total / 2**30:.2f} GiB of "
+                         f"{device}")  # fmt: skip
+
+
+def host_memory(available: bool = False) -> int:
+    """Bytes of host RAM: in total, or available now (`MemAvailable`, what a pinned expert store can take)."""
+    if available:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 @dataclass(frozen=True)
@@ -102,4 +128,5 @@ class EngineConfig:
         if self.copy_compute_ratio < 0 or (self.ttft_slo is not None and self.ttft_slo < 0):
             raise ValueError("copy_compute_ratio and ttft_slo must be >= 0")
         budget = parse_bytes(self.gpu_memory_budget)
+        _check_device(device, budget)
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len, gpu_memory_budget=budget)

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from rimuru.adjuster import Adjuster, ChangeList
-from rimuru.config import EngineConfig
+from rimuru.config import EngineConfig, host_memory
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds
 from rimuru.cuda_allocator import use_expandable_segments
 from rimuru.expert_manager import ExpertManager
@@ -47,6 +47,7 @@ class Engine:
         requested_max_model_len = config.max_model_len
         self.config = config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
         self.device = torch.device(config.device)
+        check_host_memory(model_config, config.dtype)
         use_expandable_segments(self.device)  # before the weights: every segment the engine makes is expandable
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
@@ -82,13 +83,18 @@ class Engine:
         self.closed = False
 
     def _log_start_up(self) -> None:
-        plan, budget = self.memory_plan, self.memory_plan.budget_bytes
+        """One line a user can read: where the weights are, the KV tokens and what they hold, the budget used."""
+        plan, budget, experts = self.memory_plan, self.memory_plan.budget_bytes, self.experts
         reserve = "profiled" if self.step_memory is not None else "estimated"
-        logger.info("pool %.2f GiB: %d experts resident, %d on the host; KV cache for %d tokens; %.0f MiB %s for "
-                    "steps outside the pool; weights outside the pool %.2f GiB%s",
-                    self.pool.num_bytes / 2**30, self.experts.num_resident, self.experts.num_offloaded,
-                    self.kv_tokens_at_start, plan.activation_bytes / 2**20, reserve, plan.weights_bytes / 2**30,
-                    "" if budget is None else f"; budget {budget / 2**30:.2f} GiB")  # fmt: skip
+        most_on_host = max((len(on_host) for on_host in experts.offloaded.values()), default=0)
+        full_length = self.kv_tokens_at_start // self.config.max_model_len
+        logger.info("weights %.2f GiB on %s; experts %d in the pool, %d on the host (at most %d a layer); KV "
+                    "cache for %d tokens (%d requests of max_model_len %d at once); %.0f MiB %s for steps; pool "
+                    "%.2f GiB%s",
+                    plan.weights_bytes / 2**30, self.device.type, experts.num_resident, experts.num_offloaded, most_on_host,
+                    self.kv_tokens_at_start, full_length, self.config.max_model_len, plan.activation_bytes / 2**20,
+                    reserve, self.pool.num_bytes / 2**30,
+                    "" if budget is None else f" of a {budget / 2**30:.2f} GiB budget")  # fmt: skip
 
     def _fit_max_model_len(self, requested: int | None) -> None:
         """Make sure one sequence of max_model_len tokens fits the pool (once the adjuster evicted all it may), so a
@@ -350,6 +356,17 @@ class _PhaseClock:
         now = time.perf_counter()
         self.phases[name], self._last = now - self._last, now
         return self.phases[name]
+
+
+def check_host_memory(config: ModelConfig, dtype: torch.dtype) -> None:
+    """ValueError before loading when the host store of every routed expert does not fit the RAM available."""
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    needed = len(config.moe_layer_ids) * config.num_experts * 3 * config.hidden_size * config.moe_intermediate_size
+    needed *= itemsize
+    available = host_memory(available=True)
+    if needed > available:
+        raise ValueError(f"the routed experts need {needed / 2**30:.2f} GiB of host memory (they are kept there, "
+                         f"pinned), but {available / 2**30:.2f} GiB is available")  # fmt: skip
 
 
 def _device_bytes(model: torch.nn.Module) -> int:

@@ -8,6 +8,7 @@ import asyncio
 import logging
 import os
 import signal
+import socket
 from importlib import resources
 
 import uvicorn
@@ -78,8 +79,24 @@ class DrainingServer(uvicorn.Server):
         self.should_exit = True
 
 
+def check_port_free(host: str, port: int) -> None:
+    """ValueError when (host, port) cannot be bound (in use, or a host this machine does not have)."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as error:
+        raise ValueError(f"cannot serve on {host}:{port}: {error.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            probe.bind(address)
+        except OSError as error:
+            raise ValueError(f"cannot serve on {host}:{port}: {error.strerror}") from None
+
+
 def serve(model: str | None, engine_options: dict, settings: dict, host: str, port: int,
           log_level: str = "info") -> None:  # fmt: skip
+    check_port_free(host, port)  # before the model loads: minutes of loading must not end in "address in use"
     app, gateway = build_app(model, engine_options, settings)
     config = uvicorn.Config(app, host=host, port=port, log_level=log_level, timeout_graceful_shutdown=5,
                             lifespan="on")  # fmt: skip

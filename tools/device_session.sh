@@ -343,7 +343,7 @@ vsvllm() {
   python tools/vs_vllm.py --call "${CALL:-$RIMURU_COMMIT}" --commit "$RIMURU_COMMIT" --json "$OUT/vs-vllm.json" \
     --table "$OUT/vs-vllm-table.md" "${specs[@]}"
   cat "$OUT/vs-vllm-table.md"
-  grep -h "KV cache\|profiled\|pool .* GiB" "$dir"/*.log | sort | uniq -c | head -20
+  grep -h "KV cache\|profiled\|weights .* GiB on" "$dir"/*.log | sort | uniq -c | head -20
   tar -czf "$OUT/vs-records.tar.gz" -C "$OUT" vs && rm -r "$dir"
 }
 

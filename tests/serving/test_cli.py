@@ -1,5 +1,13 @@
 """The `rimuru` command line: fabricate a checkpoint, generate from it, and fail cleanly on bad input."""
 
+import re
+import socket
+
+import pytest
+import torch
+
+from rimuru import LLM
+from rimuru.config import parse_bytes
 from rimuru.serving.cli import main
 
 
@@ -39,3 +47,50 @@ def test_engine_flags_parse_to_the_config_types():
     options = engine_options(args)
     assert options["expert_offload_limit"] == 8 and options["router_skew"] == 1.5 and options["max_num_seqs"] == 4
     assert options["gpu_memory_budget"] == "30GiB" and options["prefetch"] is False and options["offload_per_layer"] is None
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny")
+    assert main(["fabricate", str(folder), "--arch", "qwen2_moe"]) == 0
+    return str(folder)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--gpu-memory-budget", "100000TiB"], r"gpu_memory_budget 102400000\.00 GiB exceeds the .* GiB of cpu"),
+    (["--gpu-memory-budget=-1GiB"], r"gpu_memory_budget must be bytes or a size such as '30GiB', got '-1GiB'"),
+    (["--gpu-memory-budget", "0"], r"gpu_memory_budget must be positive, got 0 bytes"),
+    (["--gpu-memory-budget", "30 GX"], r"gpu_memory_budget must be bytes or a size"),
+    (["--device", "cuda"], r"device 'cuda' asked for, but torch .* finds no CUDA device"),
+])  # fmt: skip
+def test_what_users_get_wrong_is_one_line_and_exit_2(tiny, capsys, flags, message):
+    if "cuda" in flags and torch.cuda.is_available():
+        pytest.skip("this machine has CUDA")
+    capsys.readouterr()
+    assert main(["generate", tiny, "--prompt", "Hi", "--max-tokens", "1", *flags]) == 2
+    err = capsys.readouterr().err
+    assert len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_a_size_with_a_space_is_read_as_users_write_it():
+    assert parse_bytes("30 GB") == 30 * 10**9 and parse_bytes("30GiB") == 30 * 2**30
+
+
+def test_a_port_in_use_is_refused_before_the_model_loads(capsys, monkeypatch):
+    import rimuru.serving.server as server
+
+    monkeypatch.setattr(server, "build_app", lambda *a: pytest.fail("the model was loaded"))
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        assert main(["serve", "--port", str(port)]) == 2
+    assert re.search(rf"cannot serve on 127\.0\.0\.1:{port}: .*in use", capsys.readouterr().err)
+
+
+def test_the_routed_experts_must_fit_host_memory(tiny, monkeypatch):
+    import rimuru.engine as engine
+
+    monkeypatch.setattr(engine, "host_memory", lambda available=False: 1024)
+    with pytest.raises(ValueError, match=r"routed experts need .* GiB of host memory .* 0\.00 GiB is available"):
+        LLM(tiny, progress=False)
