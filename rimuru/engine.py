@@ -22,7 +22,7 @@ from rimuru.expert_placement import check_budget, initial_offload, least_offload
 from rimuru.expert_ranking import find_ranking
 from rimuru.expert_store import ExpertStore
 from rimuru.kv_cache import KVCacheManager
-from rimuru.memory import KV, MemoryPool, PageAllocator, page_sizes_for_model
+from rimuru.memory import KV, MemoryPool, PageAllocator, fitting_page_tokens, page_sizes_for_model
 from rimuru.memory_plan import estimated_reserve, plan_memory
 from rimuru.memory_profile import ProfileShapes, profile_step_memory
 from rimuru.model_runner import ModelRunner
@@ -54,7 +54,8 @@ class Engine:
         self.model_config = self.loaded.config
         self.step_memory = None  # what a step takes outside the pool, where profiled (`rimuru.memory_profile`)
         wants_graphs = graphs_wanted(config.cuda_graphs, self.device)
-        self._build_pool(wants_graphs)
+        self._build_pool(wants_graphs)  # may choose smaller KV pages
+        config = self.config
         scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
         self._place_experts(folder)
         device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
@@ -120,6 +121,11 @@ class Engine:
 
     def _build_pool(self, wants_graphs: bool) -> None:
         cfg, mc = self.config, self.loaded.config
+        page_tokens = fitting_page_tokens(mc, cfg.dtype, cfg.page_tokens)
+        if page_tokens != cfg.page_tokens:
+            logger.warning("KV pages of %d tokens: %d tokens' K and V do not fit in an expert page", page_tokens,
+                           cfg.page_tokens)  # fmt: skip
+            self.config = cfg = replace(cfg, page_tokens=page_tokens)
         sizes = page_sizes_for_model(mc, cfg.dtype, cfg.page_tokens)
         for note in sizes.notes:
             logger.warning(note)

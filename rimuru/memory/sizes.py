@@ -127,6 +127,20 @@ def page_sizes(
     )
 
 
+def fitting_page_tokens(config, dtype: torch.dtype, wanted: int = DEFAULT_PAGE_TOKENS) -> int:
+    """The largest KV page up to `wanted` tokens that an expert page can carry (halving: kernels take any count,
+    and halves keep a power of two a power of two); ValueError when not even one token's K and V fits."""
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    expert_elements = config.moe_intermediate_size * config.hidden_size
+    tokens = wanted
+    while tokens > 1 and 2 * tokens * config.num_key_value_heads * head_dim > expert_elements:
+        tokens //= 2
+    if 2 * tokens * config.num_key_value_heads * head_dim > expert_elements:
+        raise ValueError(f"one token's K and V ({2 * config.num_key_value_heads * head_dim} elements) do not fit in "
+                         f"an expert page of {expert_elements} elements")  # fmt: skip
+    return tokens
+
+
 def page_sizes_for_model(config, dtype: torch.dtype, page_tokens: int = DEFAULT_PAGE_TOKENS) -> PageSizes:
     """Expert page = moe_intermediate_size * hidden_size; KV page = 2 * page_tokens * Hk * Dh, one layer.
 
