@@ -56,6 +56,8 @@
 #             skip the compiles
 #   hostphases  the host time of each part of a decode step (tools/profile_step.py), paper rule against cost rule:
 #             $MODEL at $BUDGET, PROFILE_FLAGS (default --num-requests 1), ~1 min each
+#   defaults3 Qwen3-30B-A3B with no policy flags at BUDGETS (24 32 40 GiB), each beside FIXED (fixed64 fixed80
+#             fixed96) in one process; records in $OUT/qwen3-<B>g-r$RATE.tar.gz (~5 min a budget: one call each)
 #   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
 #             (tools/shift_stream.py, dummy weights with --router-regimes 2, ranking profiled on the first half):
 #             fixed-8, elastic-8 and cost-8 (whose swaps follow the shift); $OUT/shift-r$RATE.tar.gz
@@ -203,6 +205,7 @@ run_spec() {
     esac
   done
   case $base in
+    default) flags="" ;;  # no policy flags: what a user gets
     resident) flags="--expert-policy resident" ;;
     fixed*) flags="--expert-policy fixed --offload-per-layer ${base#fixed}" ;;
     elastic) flags="--expert-policy elastic --adjuster paper" ;;
@@ -254,6 +257,14 @@ qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40
   local MODEL=.bench/qwen3-30b-a3b BUDGET=40GiB BENCH_FLAGS="--time-limit-s ${TIME_LIMIT_S:-120} ${BENCH_FLAGS:-}"
   # shellcheck disable=SC2086
   policies "qwen3-40g-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" ${POLICIES:-fixed56 elastic64 elastic64-direct}
+}
+
+defaults3() {  # issue 26: Qwen3-30B-A3B with no policy flags at 24, 32, 40 GiB beside a fixed-offload sweep, per budget
+  local MODEL=.bench/qwen3-30b-a3b BENCH_FLAGS="--time-limit-s ${TIME_LIMIT_S:-90} ${BENCH_FLAGS:-}" b
+  for b in ${BUDGETS:-24 32 40}; do
+    # shellcheck disable=SC2086
+    BUDGET=${b}GiB policies "qwen3-${b}g-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" default ${FIXED:-fixed64 fixed80 fixed96}
+  done
 }
 
 shift_run() {  # job "shift": the distribution-shift run of the cost-aware adjuster issue
