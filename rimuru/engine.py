@@ -45,7 +45,12 @@ class Engine:
         folder = resolve_folder(config.model)
         model_config = ModelConfig.from_hf(folder)
         requested_max_model_len = config.max_model_len
-        self.config = config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
+        config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
+        page_tokens = fitting_page_tokens(model_config, config.page_tokens)
+        if page_tokens != config.page_tokens:
+            logger.warning("KV pages of %d tokens: %d tokens' K and V do not fit in an expert page", page_tokens,
+                           config.page_tokens)  # fmt: skip
+        self.config = config = replace(config, page_tokens=page_tokens)
         self.device = torch.device(config.device)
         check_host_memory(model_config, config.dtype)
         use_expandable_segments(self.device)  # before the weights: every segment the engine makes is expandable
@@ -54,8 +59,7 @@ class Engine:
         self.model_config = self.loaded.config
         self.step_memory = None  # what a step takes outside the pool, where profiled (`rimuru.memory_profile`)
         wants_graphs = graphs_wanted(config.cuda_graphs, self.device)
-        self._build_pool(wants_graphs)  # may choose smaller KV pages
-        config = self.config
+        self._build_pool(wants_graphs)
         scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
         self._place_experts(folder)
         device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
@@ -92,9 +96,9 @@ class Engine:
         logger.info("weights %.2f GiB on %s; experts %d in the pool, %d on the host (at most %d a layer); KV "
                     "cache for %d tokens (%d requests of max_model_len %d at once); %.0f MiB %s for steps; pool "
                     "%.2f GiB%s",
-                    plan.weights_bytes / 2**30, self.device.type, experts.num_resident, experts.num_offloaded, most_on_host,
-                    self.kv_tokens_at_start, full_length, self.config.max_model_len, plan.activation_bytes / 2**20,
-                    reserve, self.pool.num_bytes / 2**30,
+                    plan.weights_bytes / 2**30, self.device.type, experts.num_resident, experts.num_offloaded,
+                    most_on_host, self.kv_tokens_at_start, full_length, self.config.max_model_len,
+                    plan.activation_bytes / 2**20, reserve, self.pool.num_bytes / 2**30,
                     "" if budget is None else f" of a {budget / 2**30:.2f} GiB budget")  # fmt: skip
 
     def _fit_max_model_len(self, requested: int | None) -> None:
@@ -121,11 +125,6 @@ class Engine:
 
     def _build_pool(self, wants_graphs: bool) -> None:
         cfg, mc = self.config, self.loaded.config
-        page_tokens = fitting_page_tokens(mc, cfg.dtype, cfg.page_tokens)
-        if page_tokens != cfg.page_tokens:
-            logger.warning("KV pages of %d tokens: %d tokens' K and V do not fit in an expert page", page_tokens,
-                           cfg.page_tokens)  # fmt: skip
-            self.config = cfg = replace(cfg, page_tokens=page_tokens)
         sizes = page_sizes_for_model(mc, cfg.dtype, cfg.page_tokens)
         for note in sizes.notes:
             logger.warning(note)

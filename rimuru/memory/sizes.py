@@ -127,18 +127,22 @@ def page_sizes(
     )
 
 
-def fitting_page_tokens(config, dtype: torch.dtype, wanted: int = DEFAULT_PAGE_TOKENS) -> int:
-    """The largest KV page up to `wanted` tokens that an expert page can carry (halving: kernels take any count,
-    and halves keep a power of two a power of two); ValueError when not even one token's K and V fits."""
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+def fitting_page_tokens(config, wanted: int = DEFAULT_PAGE_TOKENS) -> int:
+    """The largest KV page up to `wanted` tokens that an expert page can carry, halving (a power of two stays one);
+    ValueError when not even one token's K and V fits. Both pages share the dtype, so elements decide."""
+    per_token = 2 * config.num_key_value_heads * _head_dim(config)  # K and V of one token, one layer
     expert_elements = config.moe_intermediate_size * config.hidden_size
     tokens = wanted
-    while tokens > 1 and 2 * tokens * config.num_key_value_heads * head_dim > expert_elements:
+    while tokens > 1 and tokens * per_token > expert_elements:
         tokens //= 2
-    if 2 * tokens * config.num_key_value_heads * head_dim > expert_elements:
-        raise ValueError(f"one token's K and V ({2 * config.num_key_value_heads * head_dim} elements) do not fit in "
-                         f"an expert page of {expert_elements} elements")  # fmt: skip
+    if tokens * per_token > expert_elements:
+        raise ValueError(f"one token's K and V ({per_token} elements) do not fit in an expert page of "
+                         f"{expert_elements} elements")  # fmt: skip
     return tokens
+
+
+def _head_dim(config) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
 
 
 def page_sizes_for_model(config, dtype: torch.dtype, page_tokens: int = DEFAULT_PAGE_TOKENS) -> PageSizes:
@@ -147,7 +151,6 @@ def page_sizes_for_model(config, dtype: torch.dtype, page_tokens: int = DEFAULT_
     `config` is any object with Hugging Face's attribute names (a `ModelConfig`, a transformers config, or a
     namespace); `head_dim` defaults to hidden_size / num_attention_heads.
     """
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     expert_shape = (config.moe_intermediate_size * config.hidden_size,)
-    kv_shape = (2, page_tokens, config.num_key_value_heads, head_dim)
+    kv_shape = (2, page_tokens, config.num_key_value_heads, _head_dim(config))
     return page_sizes(expert_shape, kv_shape, dtype)

@@ -1,7 +1,6 @@
 """Page geometry is chosen, never refused: a KV page that does not fit the expert page gets fewer tokens."""
 
 import pytest
-import torch
 import transformers
 
 from rimuru import LLM
@@ -17,14 +16,14 @@ def test_the_largest_page_up_to_the_default_that_the_expert_page_carries(interme
     tokens, and halving from 16 gives 8."""
     config = transformers.Qwen2MoeConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                          moe_intermediate_size=intermediate)  # fmt: skip
-    assert fitting_page_tokens(config, torch.float32, 16) == expected
+    assert fitting_page_tokens(config, 16) == expected
 
 
 def test_one_token_that_does_not_fit_is_refused_in_one_line():
     config = transformers.Qwen2MoeConfig(hidden_size=8, num_attention_heads=1, num_key_value_heads=1, head_dim=64,
                                          moe_intermediate_size=1)  # fmt: skip
     with pytest.raises(ValueError, match=r"one token's K and V \(128 elements\) do not fit in an expert page of 8"):
-        fitting_page_tokens(config, torch.float32, 16)
+        fitting_page_tokens(config, 16)
 
 
 def test_a_narrow_expert_page_starts_with_smaller_kv_pages_and_hugging_faces_tokens(tmp_path):
