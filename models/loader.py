@@ -104,11 +104,15 @@ def _read_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, fold
                     parsed = parse_expert_key(name)
                     if parsed is not None:
                         accepted = collector.put(name, parsed, f.get_tensor(key))
-                    elif (accepted := name in weights and f.get_slice(key).get_shape() == [*weights[name].shape]):
-                        weights[name].copy_(f.get_tensor(key))
-                        read.add(name)
-                    elif name == "lm_head.weight" and config.tie_word_embeddings:
-                        accepted = True  # tied: the embedding is the head
+                    elif name in weights:
+                        shape, wanted = f.get_slice(key).get_shape(), [*weights[name].shape]
+                        if (accepted := shape == wanted):
+                            weights[name].copy_(f.get_tensor(key))
+                            read.add(name)
+                        else:
+                            key = f"{key} of shape {shape}, not {wanted}"
+                    else:  # tied: the embedding is the head
+                        accepted = name == "lm_head.weight" and config.tie_word_embeddings
                     if not accepted:
                         unexpected.append(key)
             bar.update(1)

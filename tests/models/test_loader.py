@@ -125,6 +125,17 @@ def test_missing_and_unexpected_keys_are_listed(tmp_path):
         from_pretrained(folder, progress=False)
 
 
+def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(tmp_path):
+    folder = fabricate(tmp_path, arch="qwen2_moe")
+    path = os.path.join(folder, "model.safetensors")
+    tensors = load_file(path)
+    tensors["model.layers.0.self_attn.k_proj.weight"] = torch.zeros(8, 64)  # 2 heads x 16 rows expected
+    save_file(tensors, path)
+    wrong = r"1 missing.*k_proj.*1 unexpected.*k_proj.weight of shape \[8, 64\], not \[32, 64\]"
+    with pytest.raises(ValueError, match=wrong):
+        from_pretrained(folder, progress=False)
+
+
 def test_unsupported_architecture():
     with pytest.raises(ValueError, match="unsupported architecture 'llama'"):
         ModelConfig.from_hf(tiny_config() | {"model_type": "llama"})
