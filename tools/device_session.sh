@@ -320,7 +320,7 @@ sampler() {  # a step of 140 sampled requests, Qwen's vocabulary (tools/bench_sa
 # one call a part, carrying .peers/vllm/vllm.part-0N); carry .peers/vllm/bin and .bench. VS_STREAMS (default the
 # 400 at 10/s and 200 at once streams), VS_POLICIES ("resident default"), ORDER=rimuru-first to alternate, CALL
 # names the call in vs-vllm.json. VS_VLLM_RECORDS=DIR takes vLLM's records of an earlier call from DIR (carried)
-# instead of running it again. Records, logs and the merged table in $OUT.
+# instead of running it again (/tmp/vllm-last holds the last call's while the machine stays warm). Records, logs and the merged table in $OUT.
 vsvllm() {
   local dir="$OUT/vs" streams=(${VS_STREAMS:-.bench/stream-400-r10.jsonl .bench/stream-200-r0.jsonl}) runs=() s p
   mkdir -p "$dir"
@@ -339,6 +339,7 @@ vsvllm() {
   run_vllm() {
     if [ -n "${VS_VLLM_RECORDS:-}" ]; then cp "$VS_VLLM_RECORDS"/vllm-*.json "$dir/"; return; fi
     (source /tmp/vsite/env.sh && "${vllm_cmd[@]}") > "$dir/vllm.log" 2>&1; grep -h output_tokens_per_s "$dir"/vllm-*.json | cut -c1-200
+    rm -rf /tmp/vllm-last && mkdir -p /tmp/vllm-last && cp "$dir"/vllm-*.json /tmp/vllm-last/  # VS_VLLM_RECORDS for a later call
   }
   run_rimuru() {
     python tools/bench_sweep.py "$MODEL" --out-dir "$dir" --ranking "$MODEL/expert_ranking-vs.json" \
