@@ -324,7 +324,7 @@ sampler() {  # a step of 140 sampled requests, Qwen's vocabulary (tools/bench_sa
 vsvllm() {
   local dir="$OUT/vs" streams=(${VS_STREAMS:-.bench/stream-400-r10.jsonl .bench/stream-200-r0.jsonl}) runs=() s p
   mkdir -p "$dir"
-  [ -n "${VS_VLLM_RECORDS:-}" ] || [ -d /tmp/vsite ] || bash .peers/vllm/install.sh .peers/vllm/bin \
+  [ -n "${VS_VLLM_RECORDS:-}" ] || [ -f /tmp/vsite/env.sh ] || bash .peers/vllm/install.sh .peers/vllm/bin \
     > "$dir/vllm-install.log" 2>&1 || { tail -5 "$dir/vllm-install.log"; return 1; }
   for s in "${streams[@]}"; do
     for p in ${VS_POLICIES:-resident default}; do

@@ -92,5 +92,16 @@ def test_the_routed_experts_must_fit_host_memory(tiny, monkeypatch):
     import rimuru.engine as engine
 
     monkeypatch.setattr(engine, "host_memory", lambda available=False: 1024)
+    monkeypatch.setattr(engine, "HOST_MEMORY_WAIT_S", 0.0)
     with pytest.raises(ValueError, match=r"routed experts need .* GiB of host memory .* 0\.00 GiB is available"):
         LLM(tiny, progress=False)
+
+
+def test_a_short_host_memory_reading_is_read_again_before_refusing(monkeypatch):
+    import rimuru.engine as engine
+
+    readings = iter([10, 20, 50, 90])  # memory a process that just ended hands back
+    monkeypatch.setattr(engine, "host_memory", lambda available=False: next(readings))
+    monkeypatch.setattr(engine.time, "sleep", lambda s: None)
+    assert engine._host_memory_within(50, wait_s=60.0) == 50
+    assert engine._host_memory_within(100, wait_s=0.0) == 90
