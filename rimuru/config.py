@@ -3,6 +3,7 @@ model and the machine. Components receive only the few fields they need, never t
 """
 
 import os
+import math
 import re
 from dataclasses import dataclass, replace
 
@@ -24,6 +25,13 @@ def parse_bytes(value: int | float | str | None) -> int | None:
     if not match or match.group(2).lower() not in _UNITS:
         raise ValueError(f"gpu_memory_budget must be bytes or a size such as '30GiB', got {value!r}")
     return int(float(match.group(1)) * _UNITS[match.group(2).lower()])
+
+
+def format_bytes(num_bytes: int) -> str:
+    """A size as a user would type it back into gpu_memory_budget, rounded up: '27.32GiB', '12.6MiB'."""
+    if num_bytes >= 2**30:
+        return f"{math.ceil(num_bytes / 2**30 * 100) / 100:.2f}GiB"
+    return f"{math.ceil(num_bytes / 2**20 * 10) / 10:.1f}MiB"
 
 
 def _check_device(device: str, budget: int | None) -> None:

@@ -14,7 +14,7 @@ from dataclasses import replace
 import torch
 
 from rimuru.adjuster import Adjuster, ChangeList
-from rimuru.config import EngineConfig, host_memory
+from rimuru.config import EngineConfig, format_bytes, host_memory
 from rimuru.cost_adjuster import CostAdjuster, CostThresholds
 from rimuru.cuda_allocator import use_expandable_segments
 from rimuru.expert_manager import ExpertManager
@@ -114,11 +114,21 @@ class Engine:
         if requested is not None or capacity < 1:
             raise ValueError(
                 f"max_model_len {self.config.max_model_len} needs KV cache for {self.config.max_model_len} tokens in "
-                f"every layer but the pool holds {capacity}; raise gpu_memory_budget or lower max_model_len"
+                f"every layer but the pool holds {capacity}; raise gpu_memory_budget{self._budget_for(capacity)} or "
+                f"lower max_model_len"
             )
         logger.warning("the KV pool holds %d tokens a sequence: max_model_len lowered from %d",
                        capacity, self.config.max_model_len)  # fmt: skip
         self.config = replace(self.config, max_model_len=capacity)
+
+    def _budget_for(self, capacity: int) -> str:
+        """' to at least X': the budget whose pool holds one sequence of max_model_len ('' without a budget)."""
+        if self.config.gpu_memory_budget is None:
+            return ""
+        sizes, layers = self.pool.sizes, self.model_config.num_hidden_layers
+        missing_pages = (-(-(self.config.max_model_len - capacity) // sizes.page_tokens) + 1) * layers
+        expert_pages = -(-missing_pages // sizes.kv_pages_per_expert_page)
+        return f" to at least {format_bytes(self.config.gpu_memory_budget + expert_pages * sizes.expert_page_bytes)}"
 
     @property
     def _mixed_graph_tokens(self) -> int:
@@ -133,7 +143,7 @@ class Engine:
         weights = _device_bytes(self.loaded.model)
         expert_bytes = len(mc.moe_layer_ids) * mc.num_experts * 3 * sizes.expert_page_bytes
         self.memory_plan = plan_memory(self.device, cfg.gpu_memory_budget, weights, expert_bytes,
-                                       self._step_reserve(sizes, wants_graphs))  # fmt: skip
+                                       self._step_reserve(sizes, wants_graphs), sizes.expert_page_bytes)  # fmt: skip
         self.pool = MemoryPool(sizes, self.memory_plan.pool_bytes, self.device)
         self.allocator = PageAllocator(sizes, self.pool.num_bytes)
 
@@ -164,7 +174,8 @@ class Engine:
         if cfg.expert_policy == "elastic" and cfg.expert_offload_limit is None and not direct:
             count = least_offload_per_layer(self.experts, count)
         buffer_experts = 0 if direct else count  # direct reads need no loading buffers
-        check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes, buffer_experts)
+        outside_pool = None if cfg.gpu_memory_budget is None else cfg.gpu_memory_budget - self.pool.num_bytes
+        check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes, buffer_experts, outside_pool)
         ranking = find_ranking(folder, cfg.expert_ranking, mc.moe_layer_ids, mc.num_experts)
         if ranking.is_uniform and count:
             logger.warning("no expert_ranking.json: experts are offloaded in id order; run `rimuru profile` first")

@@ -8,6 +8,7 @@
 import logging
 
 from rimuru.adjuster import Adjuster
+from rimuru.config import format_bytes
 from rimuru.expert_store import ExpertStore
 from rimuru.memory import PAGES_PER_EXPERT
 
@@ -39,8 +40,10 @@ def least_offload_per_layer(store: ExpertStore, floor: int) -> int:
     return experts
 
 
-def check_budget(policy: str, count: int, store: ExpertStore, pool_bytes: int, buffer_experts: int) -> None:
-    """ValueError with the numbers when the pool cannot hold the loading buffers and the experts that must stay."""
+def check_budget(policy: str, count: int, store: ExpertStore, pool_bytes: int, buffer_experts: int,
+                 outside_pool: int | None = None) -> None:  # fmt: skip
+    """ValueError with the numbers when the pool cannot hold the loading buffers and the experts that must stay;
+    with `outside_pool` (the budget less the pool) it names the smallest budget that starts."""
     if policy == "resident":
         return
     page = store.allocator.sizes.expert_page_bytes
@@ -48,9 +51,10 @@ def check_budget(policy: str, count: int, store: ExpertStore, pool_bytes: int, b
     buffers = 2 * buffer_experts * PAGES_PER_EXPERT
     needed = (must_stay + buffers + 1) * page
     if pool_bytes < needed:
+        smallest = "" if outside_pool is None else f" to at least {format_bytes(outside_pool + needed)}"
         raise ValueError(
             f"the pool of {pool_bytes / 2**30:.2f} GiB cannot hold two loading buffers of {buffer_experts} experts "
             f"({buffers * page / 2**30:.2f} GiB) plus the {must_stay // PAGES_PER_EXPERT} experts that must stay "
             f"resident ({must_stay * page / 2**30:.2f} GiB) and one page of KV: {needed / 2**30:.2f} GiB needed; "
-            f"raise gpu_memory_budget or the offload count"
+            f"raise gpu_memory_budget{smallest} or the offload count"
         )

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 import torch
 
+from rimuru.config import format_bytes
 from rimuru.models import ModelConfig
 
 CPU_DEFAULT_KV_BYTES = 256 * 2**20
@@ -57,16 +58,18 @@ def estimated_reserve(config: ModelConfig, device: torch.device, dtype: torch.dt
 
 
 def plan_memory(device: torch.device, budget: int | None, weights_bytes: int, expert_bytes: int,
-                reserve: int) -> MemoryPlan:  # fmt: skip
-    """The pool size; ValueError naming the numbers when the budget cannot hold the weights and the `reserve` (what
-    a step takes outside the pool: measured on a GPU, `estimated_reserve` elsewhere)."""
+                reserve: int, min_pool_bytes: int = 1) -> MemoryPlan:  # fmt: skip
+    """The pool size; ValueError naming the numbers, and the smallest budget that starts, when the budget cannot hold
+    the weights, the `reserve` (what a step takes outside the pool: measured on a GPU, `estimated_reserve`
+    elsewhere) and `min_pool_bytes` (one page the pool cuts into KV)."""
     if budget is not None:
         pool = budget - weights_bytes - reserve
-        if pool <= 0:
+        if pool < min_pool_bytes:
             raise ValueError(
                 f"gpu_memory_budget {budget / 2**30:.2f} GiB cannot hold the non-expert weights "
-                f"({weights_bytes / 2**30:.2f} GiB) and the activation reserve ({reserve / 2**30:.2f} GiB); "
-                f"lower max_num_batched_tokens or max_num_seqs, or raise the budget"
+                f"({weights_bytes / 2**30:.2f} GiB), the activation reserve ({reserve / 2**30:.2f} GiB) and one page "
+                f"of KV; set it to at least {format_bytes(weights_bytes + reserve + min_pool_bytes)}, or lower "
+                f"max_num_batched_tokens or max_num_seqs"
             )
     elif device.type == "cuda":
         free, _ = torch.cuda.mem_get_info(device)

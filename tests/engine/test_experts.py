@@ -3,6 +3,8 @@ policy and budget change speed, never tokens."""
 
 from dataclasses import replace
 
+import re
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -250,8 +252,15 @@ def test_bad_offload_settings_fail_at_start_with_the_numbers(family):
     with pytest.raises(ValueError, match=r"expert_offload_limit must be in \[0, 8\].*got 9"):
         LLM(folder, progress=False, expert_offload_limit=9)
     small = budget_for(folder, 0, 0) - 40 * 8192
-    with pytest.raises(ValueError, match=r"loading buffers of 2 experts .* GiB needed"):
-        LLM(folder, progress=False, gpu_memory_budget=small, expert_offload_limit=2, expert_reads="copy")
+    copies = dict(progress=False, expert_offload_limit=2, expert_reads="copy")
+    with pytest.raises(ValueError, match=r"loading buffers of 2 experts .* GiB needed") as refused:
+        LLM(folder, gpu_memory_budget=small, **copies)
+    assert LLM(folder, gpu_memory_budget=smallest_budget(refused), **copies).engine.pool.num_bytes > 0
+
+
+def smallest_budget(refused: pytest.ExceptionInfo) -> str:
+    """The budget a refusal names ('... to at least 12.6MiB ...'), as the user would type it back."""
+    return re.search(r"at least (\S+?[KMG]iB)", str(refused.value)).group(1)
 
 
 def test_resident_refuses_a_budget_that_cannot_hold_the_experts(family):
@@ -263,8 +272,11 @@ def test_resident_refuses_a_budget_that_cannot_hold_the_experts(family):
 def test_a_pool_too_small_for_max_model_len_lowers_it_or_refuses(family, caplog):
     folder = family[0]
     budget = budget_for(folder, kv_tokens=48, offload=0)
-    with pytest.raises(ValueError, match=r"max_model_len 256 needs KV cache for 256 tokens .* pool holds 48"):
+    with pytest.raises(ValueError, match=r"max_model_len 256 needs KV cache for 256 tokens .* pool holds 48") as no:
         LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget, max_model_len=256)
+    enough = LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=smallest_budget(no),
+                 max_model_len=256).engine  # fmt: skip
+    assert enough.config.max_model_len == 256
     engine = LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget).engine
     assert engine.config.max_model_len == 48 and "max_model_len lowered from 512" in caplog.text
 

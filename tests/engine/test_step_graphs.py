@@ -3,6 +3,8 @@ eager one, under every memory policy, and the routing hook never sees a padding 
 
 On CPU `cuda_graphs=True` runs the very same padded path without capturing; the GPU test captures and replays."""
 
+import re
+
 import pytest
 import torch
 
@@ -110,6 +112,7 @@ def test_mixed_token_sizes_step_by_64_then_128_and_end_at_the_limit():
 def test_mixed_graphs_reserve_their_larger_passes_from_the_budget(family):
     """Where the reserve is estimated, it grows with the most tokens a graph takes, and the plan takes it from the
     pool; a budget that cannot hold it is refused with the numbers."""
+    from rimuru.config import parse_bytes
     from rimuru.memory_plan import activation_bytes, estimated_reserve, graph_point_bytes, plan_memory
     from rimuru.models import ModelConfig
 
@@ -120,8 +123,10 @@ def test_mixed_graphs_reserve_their_larger_passes_from_the_budget(family):
     grown += graph_point_bytes(config, dtype, 2048) - graph_point_bytes(config, dtype, 256)
     assert plan(256) == plan(0) and plan(256) - plan(2048) == grown > 0
     weights = 2**30 + plan(2048) + 1  # the budget then holds the decode graphs' reserve, not the mixed graphs'
-    with pytest.raises(ValueError, match="lower max_num_batched_tokens or max_num_seqs, or raise the budget"):
-        plan_memory(cuda, 2**34, weights, 2**32, reserve(2048))
+    with pytest.raises(ValueError, match=r"at least (\S+)GiB, or lower max_num_batched_tokens or max_num_seqs") as no:
+        plan_memory(cuda, 2**34, weights, 2**32, reserve(2048), min_pool_bytes=2**20)
+    smallest = parse_bytes(re.search(r"at least (\S+GiB)", str(no.value)).group(1))
+    assert plan_memory(cuda, smallest, weights, 2**32, reserve(2048), min_pool_bytes=2**20).pool_bytes >= 2**20
     assert plan_memory(cuda, 2**34, weights, 2**32, reserve(256)).pool_bytes > 0
 
 
