@@ -143,6 +143,7 @@ def _counters(engine: Engine) -> dict:
     return {"forward_steps": engine.num_steps, "graph_steps": engine.runner.num_graph_steps,
             "adjuster_seconds": engine.adjuster_seconds,
             "preemptions": engine.scheduler.num_preemptions, "refusals": engine.scheduler.num_refusals,
+            "swapped": 0 if engine.scheduler.swap is None else engine.scheduler.swap.num_saved,
             "experts": engine.expert_manager.stats_dict()}  # fmt: skip  # counters only, not the pool's gauges
 
 
@@ -167,6 +168,7 @@ def _record(engine: Engine, requests, clock: _Clock, series, wall, before: dict)
         "forward_steps": engine.num_steps - before["forward_steps"],
         "graph_steps": engine.runner.num_graph_steps - before["graph_steps"],  # of those, CUDA graph replays
         "preemptions": engine.scheduler.num_preemptions - before["preemptions"],
+        "preemptions_swapped": _counters(engine)["swapped"] - before["swapped"],  # recovered by a copy, not a prefill
         "admission_refusals": engine.scheduler.num_refusals - before["refusals"],  # rounds the forecast said wait
         "evictions": experts["evictions"],
         "additions": experts["additions"],

@@ -95,6 +95,8 @@ class EngineConfig:
     # steps that mix prefill chunks and decodes (up to 2048 tokens) as graph replays too (with cuda_graphs): their
     # memory pool is profiled at start-up and taken from the pool (docs/benchmarks/vs-vllm.md)
     mixed_cuda_graphs: bool = True
+    # a preempted request's KV: copied to pinned host memory and back ("swap"), or freed and its prompt recomputed
+    preemption: str = "swap"
     seed: int = 0
     progress: bool = True
 
@@ -131,6 +133,8 @@ class EngineConfig:
             raise ValueError(f"expert_policy must be 'resident', 'fixed' or 'elastic', got {self.expert_policy!r}")
         if self.expert_reads not in ("copy", "direct"):
             raise ValueError(f"expert_reads must be 'copy' or 'direct', got {self.expert_reads!r}")
+        if self.preemption not in ("swap", "recompute"):
+            raise ValueError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
         if self.adjuster not in ("paper", "cost"):
             raise ValueError(f"adjuster must be 'paper' or 'cost', got {self.adjuster!r}")
         if self.copy_compute_ratio < 0 or (self.ttft_slo is not None and self.ttft_slo < 0):

@@ -22,6 +22,7 @@ from rimuru.expert_placement import check_budget, initial_offload, least_offload
 from rimuru.expert_ranking import find_ranking
 from rimuru.expert_store import ExpertStore
 from rimuru.kv_cache import KVCacheManager
+from rimuru.kv_swap import KVSwap
 from rimuru.memory import KV, MemoryPool, PageAllocator, fitting_page_tokens, page_sizes_for_model
 from rimuru.memory_plan import estimated_reserve, plan_memory
 from rimuru.memory_profile import ProfileShapes, profile_step_memory
@@ -75,7 +76,8 @@ class Engine:
         self._log_start_up()
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages)
+        swap = KVSwap(self.kv_cache, self.pool.kv_view(), self.pool.num_bytes) if config.preemption == "swap" else None
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages, swap)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
                                   graphs)  # fmt: skip
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))

@@ -7,7 +7,8 @@ today is not enough, since the batch keeps growing a token a request a step); wh
 refusal stands a few rounds without recomputing the forecast. When a running request still cannot
 get its pages (it outgrew its forecast), the newest running request is preempted: its pages are freed and it waits
 at the front of the queue to be recomputed, prompt and output alike, so its output is exactly what it would have
-been. The KV pages the round was short of, admissions refused included, are recorded for the adjuster. While the
+been; with a `KVSwap` its pages are copied to the host instead and back when it is re-admitted, its computed tokens
+kept (`rimuru/kv_swap.py`). The KV pages the round was short of, admissions refused included, are recorded for the adjuster. While the
 adjuster can still evict experts to cover them (`reclaimable_expert_pages`), a request that does not fit simply sits
 this round out instead of being preempted: the evicted experts' pages serve it next round.
 """
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 from rimuru.admission import GrowthForecast
 from rimuru.kv_cache import KVCacheManager
+from rimuru.kv_swap import KVSwap
 from rimuru.request import Request, RequestStatus
 
 
@@ -49,9 +51,10 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 reclaimable_expert_pages: Callable[[], int] = lambda: 0):  # fmt: skip
+                 reclaimable_expert_pages: Callable[[], int] = lambda: 0, swap: KVSwap | None = None):  # fmt: skip
         self.config = config
         self.kv_cache = kv_cache
+        self.swap = swap  # None: a preempted request recomputes its prompt
         self.reclaimable_expert_pages = reclaimable_expert_pages
         self._unmet_pages = 0  # KV pages asked for this round and not granted
         self._refused_pages = 0  # KV pages the forecast lacked to admit the next waiting request this round
@@ -134,8 +137,9 @@ class Scheduler:
         return self.kv_cache.allocator.expert_pages_for(short) + 1 <= self.reclaimable_expert_pages()
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
-        self.kv_cache.free(request.request_id)
-        request.num_computed_tokens = 0
+        if self.swap is None or not self.swap.save(request):
+            self.kv_cache.free(request.request_id)
+            request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1
@@ -169,8 +173,9 @@ class Scheduler:
                 fresh = key is not None and len(self.running) == len(key[3])  # nothing joined before it this round
                 self._refusal = (key, self._refused_pages, REFUSAL_ROUNDS - 1) if fresh else None
                 return
-            if not self.kv_cache.allocate(request.request_id, num_new):
-                if self._adjuster_can_cover(self.kv_cache.num_new_pages(request.request_id, num_new)):
+            target = request.num_computed_tokens + num_new
+            if not self._restored(request) or not self.kv_cache.allocate(request.request_id, target):
+                if self._adjuster_can_cover(self.kv_cache.num_new_pages(request.request_id, target)):
                     return
                 if not self.running:
                     raise MemoryError(
@@ -183,6 +188,10 @@ class Scheduler:
             batch.add(request, num_new)
             budget -= num_new
 
+    def _restored(self, request: Request) -> bool:
+        """A request whose KV was saved at preemption gets it back in fresh pages; False when the pool is short."""
+        return self.swap is None or not self.swap.holds(request.request_id) or self.swap.restore(request)
+
     def finish(self, request: Request, reason: str) -> None:
         """Mark a request finished, free its pages and drop it from the queues. Mutates."""
         request.status = RequestStatus.FINISHED
@@ -190,6 +199,8 @@ class Scheduler:
         if reason != "abort":
             self.forecast.observe_finished(request)
         self.kv_cache.free(request.request_id)
+        if self.swap is not None:
+            self.swap.drop(request.request_id)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:

@@ -43,13 +43,18 @@ def test_chunked_prefill_of_seven_tokens_matches_hf(family):
     assert llm.engine.num_steps > len(prompts) * MAX_TOKENS / 7  # it really ran in small chunks
 
 
-def test_preemption_keeps_tokens_identical(family, monkeypatch):
-    """A forecast that expects no growth admits whatever fits today, so the batch outgrows the pool."""
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_preemption_keeps_tokens_identical(family, monkeypatch, preemption):
+    """A forecast that expects no growth admits whatever fits today, so the batch outgrows the pool. A victim's KV
+    copied to the host and back into other pages, or its prompt recomputed: the same tokens either way."""
     folder, prompts, expected = family
     longest = max(map(len, prompts)) + MAX_TOKENS
     expect_no_growth(monkeypatch)
-    llm, tokens = generate(folder, prompts, gpu_memory_budget=tight_budget(folder, 2 * longest), expert_policy="resident")
-    assert llm.engine.scheduler.num_preemptions > 0
+    llm, tokens = generate(folder, prompts, gpu_memory_budget=tight_budget(folder, 2 * longest), expert_policy="resident",
+                           preemption=preemption)  # fmt: skip
+    scheduler = llm.engine.scheduler
+    assert scheduler.num_preemptions > 0
+    assert (scheduler.swap.num_saved > 0 and scheduler.swap.saved_bytes == 0) if preemption == "swap" else not scheduler.swap
     assert tokens == expected
     assert llm.engine.allocator.stats()["kv_used_pages"] == 0  # every page came back
     llm.engine.allocator.check_integrity()
