@@ -2,10 +2,10 @@
 
 Parameter names match Hugging Face checkpoint keys, except the routed experts: they are not parameters here. They
 live in pool pages owned by the expert store, and a MoE layer reaches them only through
-`ctx.expert_view` and `ctx.expert_page_tables[layer_idx]` (DESIGN.md section 3). The two families differ in two
-switches: qwen2_moe has a gated shared expert, qwen3_moe a per-head q/k RMSNorm. The forward pass is written as
-generators (`steps`) that pause at each MoE layer's routing (`rimuru.models.pieces`), so a runner can act between
-the router and the expert kernel, eagerly or between CUDA graph replays.
+`ctx.expert_view` and `ctx.expert_page_tables[layer_idx]` (docs/architecture.md, Expert tiers). The two families
+differ in two switches: qwen2_moe has a gated shared expert, qwen3_moe a per-head q/k RMSNorm. The forward pass is
+written as generators (`steps`) that pause at each MoE layer's routing (`rimuru.models.pieces`), so a runner can act
+between the router and the expert kernel, eagerly or between CUDA graph replays.
 Shape letters: T tokens, B' tokens whose logits are wanted, D hidden, E experts, K top-k, V vocabulary.
 """
 

@@ -1,4 +1,4 @@
-"""`rimuru::paged_moe`: the routed-expert MLP read straight from pool pages (DESIGN.md section 3).
+"""`rimuru::paged_moe`: the routed-expert MLP read straight from pool pages (docs/architecture.md, Expert tiers).
 
 Owns two Triton kernels and their launcher. `_gate_up_kernel` computes, for one M tile of an expert's sorted
 tokens and one N tile of the F features, both the gate and the up tile (each from its own page: the two are never

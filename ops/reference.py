@@ -3,7 +3,7 @@
 Shape letters (project-wide): T tokens, B requests, D hidden size, F expert intermediate size, E experts,
 K top-k, P pages, Hq query heads, Hk KV heads, Dh head dim, S page tokens.
 
-Pool views these ops read (DESIGN.md sections 2 and 3):
+Pool views these ops read (docs/architecture.md, The page pool and Expert tiers):
   expert_view  [P, F * D]          one expert matrix a page: gate [F, D], up [F, D] or down [D, F], row-major
   kv_view      [P, 2, S, Hk, Dh]   K (index 0) and V (index 1) of S consecutive tokens of one attention layer
 Page tables hold page ids into those views; -1 marks "no page".

@@ -1,4 +1,5 @@
-"""The adjuster: once a round, how many experts leave or rejoin the pool, and which (DESIGN.md section 4).
+"""The adjuster: once a round, how many experts leave or rejoin the pool, and which
+(docs/architecture.md, The adjuster).
 
 `plan_adjustment` is the paper's rule as a pure function of the pages the scheduler is short of and the free
 expert pages. `Adjuster` turns the counts into experts by the hot-expert ranking: to shrink, each layer below

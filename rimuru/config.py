@@ -75,12 +75,13 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's max_position_embeddings
     page_tokens: int = DEFAULT_PAGE_TOKENS
     tokenizer: str | None = None  # None: the checkpoint folder
-    expert_policy: str = "elastic"  # "resident" | "fixed" | "elastic" (DESIGN.md section 3)
+    expert_policy: str = "elastic"  # "resident" | "fixed" | "elastic" (docs/architecture.md, Expert tiers)
     # elastic cap per layer, also sizing the loading buffers. None: no cap with direct reads (the budget and the cost
     # rule decide); with copies, a quarter of a layer or the least the budget requires, whichever is more
     expert_offload_limit: int | None = None
-    # elastic: "cost" (rimuru.cost_adjuster) | "paper" (DESIGN.md section 4). The cost rule, at or above 0.99x the
-    # paper's at every rate and skew measured on the H200 and 1.32x it under flatter routing (paper-scenario.md)
+    # elastic: "cost" (rimuru.cost_adjuster) | "paper" (docs/architecture.md, The adjuster). The cost rule, at or
+    # above 0.99x the paper's at every rate and skew measured on the H200 and 1.32x it under flatter routing
+    # (paper-scenario.md)
     adjuster: str = "cost"
     copy_compute_ratio: float = 1.0  # cost: copies up to this x a step's compute hide under it (direct reads never)
     ttft_slo: float | None = None  # cost: seconds the oldest waiting request may wait before evicting despite cost

@@ -1,4 +1,4 @@
-"""`Engine`: loads a model onto the page pool and runs scheduling rounds (DESIGN.md section 5).
+"""`Engine`: loads a model onto the page pool and runs scheduling rounds (docs/architecture.md, One round).
 
 `step()` is the whole loop: schedule, run, sample, postprocess. Everything else here is start-up wiring and the
 per-request bookkeeping around it (tokenising, stop conditions). Front ends (`LLM`, the HTTP server) call only

@@ -1,5 +1,5 @@
 """`ExpertManager`: the GPU side of the change list and the per-layer expert path of one forward pass
-(DESIGN.md section 5, steps 2-4).
+(docs/architecture.md, Expert tiers and One round).
 
 Between passes: `begin_step` reserves pages for added experts and starts their copies on the side stream;
 `end_step` publishes additions whose copies have not been published yet and applies evictions, so an evicted

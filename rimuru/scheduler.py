@@ -1,4 +1,4 @@
-"""`Scheduler`: continuous batching with chunked prefill over the page pool (DESIGN.md section 5, step 1).
+"""`Scheduler`: continuous batching with chunked prefill over the page pool (docs/architecture.md, One round).
 
 Each round: running requests first, in admission order (a decode is one token; an unfinished prefill gets the next
 chunk), then waiting requests while the token budget, `max_num_seqs` and the pool allow. A waiting request is

@@ -1,4 +1,5 @@
-"""The three-tier page allocator over the pool (DESIGN.md section 2). Bookkeeping only: it never touches bytes.
+"""The three-tier page allocator over the pool (docs/architecture.md, The page pool). Bookkeeping only: it never
+touches bytes.
 
     huge page h  (H bytes)        split into expert pages or into SSM pages, never straight into small pages
     ├── expert page p  (P_expert)  holds one expert matrix, or is split into KV pages or into conv pages
@@ -280,7 +281,7 @@ class PageAllocator:
         }
 
     def check_integrity(self) -> None:
-        """Recount everything from the page trees and assert every invariant of DESIGN.md section 2."""
+        """Recount everything from the page trees and assert every invariant of docs/architecture.md, The page pool."""
         from rimuru.memory.integrity import check_allocator
 
         check_allocator(self)

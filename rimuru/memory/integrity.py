@@ -1,8 +1,9 @@
 """`PageAllocator.check_integrity()`: recount the page trees from scratch and compare with the fast counters.
 
 Kept apart from the allocator because it reads every page (slow by design); tests call it after every step.
-Invariants (DESIGN.md section 2): no byte owned twice; free + used + trapped + padding = pool; a parent is split
-exactly while one of its children is not free; no small page lies in a huge page not split into expert pages.
+Invariants (docs/architecture.md, The page pool): no byte owned twice; free + used + trapped + padding = pool; a
+parent is split exactly while one of its children is not free; no small page lies in a huge page not split into
+expert pages.
 """
 
 from rimuru.memory.allocator import EXPERT, MIDDLE_KINDS, SMALL_KINDS, PageAllocator

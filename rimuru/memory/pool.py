@@ -1,4 +1,5 @@
-"""The one block of device memory that expert weights, KV, SSM and conv states share (DESIGN.md section 2).
+"""The one block of device memory that expert weights, KV, SSM and conv states share
+(docs/architecture.md, The page pool).
 
 Owns the `uint8` tensor, allocated once, and the typed zero-copy views over it. Which page belongs to whom is the
 `PageAllocator`'s business, not the pool's.

@@ -1,4 +1,4 @@
-"""Page sizes of the pool's tiers, derived once from a model config (DESIGN.md section 2).
+"""Page sizes of the pool's tiers, derived once from a model config (docs/architecture.md, The page pool).
 
 Owns the arithmetic that makes the tiers nest: small pages (KV, conv) must divide the expert page, and the huge
 page is the least common multiple of the middle-tier sizes (expert and SSM pages). Where a small page does not
