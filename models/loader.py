@@ -13,8 +13,14 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
-from rimuru.models.checkpoint import ExpertCollector, ExpertWeights, canonical_key, parse_expert_key
-from rimuru.models.checkpoint import resolve_folder, safetensors_files
+from rimuru.models.checkpoint import (
+    ExpertCollector,
+    ExpertWeights,
+    canonical_key,
+    parse_expert_key,
+    resolve_folder,
+    safetensors_files,
+)
 from rimuru.models.config import ModelConfig
 from rimuru.models.dummy import apply_router_skew, dummy_experts, fill_dummy_weights
 from rimuru.models.qwen_moe import QwenMoeForCausalLM, model_class

@@ -17,7 +17,7 @@ def device_file_name(device_name: str) -> str:
     return device_name.replace(" ", "_").replace("-", "_") + ".json"
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_table(device_name: str) -> dict:
     path = CONFIG_DIR / device_file_name(device_name)
     return json.loads(path.read_text()) if path.exists() else {}

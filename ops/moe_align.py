@@ -3,10 +3,9 @@
 Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises with the host and a CUDA graph can hold
 it. On CUDA: per-chunk expert counts (at most MAX_SORT_PROGRAMS programs, each a chunk of whole [tile, E] one-hot
 tiles), then a scatter; each scatter program sums the counts of the chunks before its own, or past
-SCAN_ABOVE_ENTRIES count-table entries one program scans the table first (that sum grew with chunks x experts: 71 us
-for Qwen3's 32,768 pairs on an H200 at 7ed62cc, 15.6 for Qwen1.5's 16,384), and for decode batches of up to
-ONE_PROGRAM_CHUNKS CHUNKs one launch of one program does all of it (6.5-10.6 us on an H200, against 200-500 us for
-the torch path's ~25 small launches, eager and host bound; docs/benchmarks/kernels.md). The torch path (argsort,
+SCAN_ABOVE_ENTRIES count-table entries one program scans the table first (that sum grew with chunks x experts),
+and for decode batches of up to ONE_PROGRAM_CHUNKS CHUNKs one launch of one program does all of it, where the
+torch path's ~25 small launches are host bound (times in docs/benchmarks/kernels.md). The torch path (argsort,
 cumsum, scatter) serves CPU. Every path gives the same layout, which the interpreter tests check. A single token
 needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair (so do a few tokens where the
 tuned config says `PAIR_BLOCKS`). The atomic sort (`_atomic_count_and_scatter`, where a tuned config says

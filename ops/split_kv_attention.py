@@ -107,7 +107,7 @@ def _combine_kernel(
     tl.store(p_out + i_t * stride_ot + i_h * stride_oh + o_d, b_out.to(p_out.dtype.element_ty), mask=o_d < head_dim)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return INTERPRETER_SMS

@@ -2,8 +2,8 @@
 model and the machine. Components receive only the few fields they need, never this whole object.
 """
 
-import os
 import math
+import os
 import re
 from dataclasses import dataclass, replace
 

@@ -23,7 +23,6 @@ from rimuru.kv_cache import KVCacheManager
 from rimuru.kv_swap import KVSwap
 from rimuru.request import Request, RequestStatus
 
-
 REFUSAL_ROUNDS = 4  # rounds a forecast's refusal stands while nothing but decoding changes
 
 

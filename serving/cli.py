@@ -14,6 +14,7 @@ import typing
 from rimuru.config import EngineConfig
 from rimuru.models.fabricate import EXPERT_LAYOUTS
 
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     """One flag per `EngineConfig` field but `model` and `progress`, with the field's default."""
     group = parser.add_argument_group("engine")

@@ -29,10 +29,10 @@ import time
 import torch
 
 from rimuru.ops import reference
+from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import align_tokens, align_tokens_torch, align_tokens_triton
 from rimuru.ops.paged_attention import default_config, paged_attention_triton
 from rimuru.ops.paged_moe import moe_gemms, paged_moe_triton
-from rimuru.ops.configs import moe_config
 
 MODELS = {
     "qwen3-30b-a3b": {"E": 128, "F": 768, "D": 2048, "K": 8},

@@ -18,8 +18,8 @@ import sys
 import time
 
 import torch
-
 from bench_kernels import MODELS, expert_pools, routing, time_graph_ms
+
 from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import gemm_layout
 from rimuru.ops.paged_moe import moe_gemms, paged_moe_triton

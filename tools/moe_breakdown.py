@@ -31,12 +31,22 @@ import importlib
 
 import torch
 import triton
-
 from bench_kernels import MODELS, expert_pools, routing, time_ms
+
 from rimuru.ops.configs import moe_config
-from rimuru.ops.moe_align import (CHUNK, MAX_SORT_PROGRAMS, ONE_PROGRAM_CHUNKS, align_tokens,
-                                  align_tokens_triton, count_chunk, gemm_layout, pair_blocks, scans_counts,
-                                  sort_chunks, uses_pair_blocks)
+from rimuru.ops.moe_align import (
+    CHUNK,
+    MAX_SORT_PROGRAMS,
+    ONE_PROGRAM_CHUNKS,
+    align_tokens,
+    align_tokens_triton,
+    count_chunk,
+    gemm_layout,
+    pair_blocks,
+    scans_counts,
+    sort_chunks,
+    uses_pair_blocks,
+)
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
 

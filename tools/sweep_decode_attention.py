@@ -34,8 +34,8 @@ import sys
 
 import torch
 import triton
-
 from bench_kernels import copy_bandwidth, decode_inputs, time_graph_ms, time_ms
+
 from rimuru.ops import reference
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config
 from rimuru.ops.paged_attention import default_config, paged_attention_triton

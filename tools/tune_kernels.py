@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 import torch
-
 from bench_kernels import M_VALUES, MODELS, expert_pools, routing, time_graph_ms, time_ms
+
 from rimuru.ops.configs import CONFIG_DIR, device_file_name
 from rimuru.ops.moe_align import align_tokens, uses_pair_blocks
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, paged_moe_triton

@@ -11,8 +11,8 @@ import pytest
 
 from rimuru.benchmark import SERIES_ESTIMATES, source_commit
 from rimuru.serving.cli import main
-from tests.engine.test_experts import budget_for
 from tests.engine.conftest import expect_no_growth
+from tests.engine.test_experts import budget_for
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import bench_adjuster  # noqa: E402

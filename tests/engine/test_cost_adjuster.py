@@ -11,8 +11,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rimuru import LLM
-from rimuru.cost_adjuster import (MAX_NOMINEES, CostAdjuster, CostThresholds, lower_median, plan_cost_adjustment,
-                                  plan_swaps, profitable_evictions)
+from rimuru.cost_adjuster import (
+    MAX_NOMINEES,
+    CostAdjuster,
+    CostThresholds,
+    lower_median,
+    plan_cost_adjustment,
+    plan_swaps,
+    profitable_evictions,
+)
 from rimuru.cost_model import CostModel, copy_seconds, exposed_seconds, kv_pages_freed, touch_probability
 from rimuru.expert_ranking import ExpertRanking
 from rimuru.popularity import ExpertPopularity

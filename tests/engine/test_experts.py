@@ -1,9 +1,8 @@
 """Elastic expert offloading: the paper's rule, nomination by ranking, ordering, and the invariant that memory
 policy and budget change speed, never tokens."""
 
-from dataclasses import replace
-
 import re
+from dataclasses import replace
 
 import pytest
 import torch

@@ -68,9 +68,9 @@ def test_padded_graph_path_changes_speed_never_tokens(family, policy):
 def test_replays_issue_the_hooks_prefetch_after_queueing_the_next_piece(family):
     """Under captured graphs a hook's returned prefetch runs right after the next replay, before the next hook, so
     the GPU computes while the host issues the copies; nothing is dropped at the end of a pass."""
-    from rimuru.step_graphs import _Captured
     from rimuru.model_runner import StepInputs
     from rimuru.models.pieces import RoutingPoint
+    from rimuru.step_graphs import _Captured
 
     folder, prompts, _ = family
     engine, _ = run(folder, prompts[:1], cuda_graphs=True)
@@ -333,8 +333,8 @@ def test_captured_graphs_count_the_routing_an_observer_sees_on_gpu(family):
 
 
 def test_a_failed_capture_falls_back_to_eager_unless_graphs_were_asked_for(family, monkeypatch, caplog):
-    import rimuru.step_graphs
     import rimuru.engine
+    import rimuru.step_graphs
 
     folder, prompts, expected = family
 

