@@ -2,14 +2,20 @@
 model and the machine. Components receive only the few fields they need, never this whole object.
 """
 
+from __future__ import annotations
+
+import io
 import math
 import os
 import re
+import tokenize
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from rimuru.memory import DEFAULT_PAGE_TOKENS
+DEFAULT_PAGE_TOKENS = 16  # tokens a KV page holds, lowered where the expert page cannot carry them
 
 _UNITS = {"": 1, "b": 1, "k": 10**3, "kb": 10**3, "m": 10**6, "mb": 10**6, "g": 10**9, "gb": 10**9,
           "t": 10**12, "tb": 10**12, "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}  # fmt: skip
@@ -36,6 +42,8 @@ def format_bytes(num_bytes: int) -> str:
 
 def _check_device(device: str, budget: int | None) -> None:
     """ValueError for a device torch cannot use, or a budget that is not positive or exceeds the device's memory."""
+    import torch  # here, not at the top: `rimuru --help` reads this module and should not wait for torch
+
     kind = torch.device(device).type
     if kind == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} asked for, but torch {torch.__version__} finds no CUDA device")
@@ -59,29 +67,40 @@ def host_memory(available: bool = False) -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+CHOICES = {  # the string options and their values; the command line offers the same
+    "load_format": ("auto", "dummy"),
+    "expert_policy": ("resident", "fixed", "elastic"),
+    "adjuster": ("cost", "paper"),
+    "expert_reads": ("direct", "copy"),
+    "preemption": ("swap", "recompute"),
+}
+BENCHMARK_ONLY = ("load_format", "router_skew", "router_regimes")  # flags that only make sense for random weights
+
+
 @dataclass(frozen=True)
 class EngineConfig:
     model: str  # a checkpoint folder or a Hugging Face repo id
     device: str | None = None  # None: "cuda" when there is a GPU, else "cpu"
     dtype: torch.dtype | str | None = None  # None: the checkpoint's dtype on a GPU, float32 on CPU
-    gpu_memory_budget: int | str | None = None  # bytes the engine may take on the device: weights, pool, activations
+    # what the engine may take on the device (weights, pool, activations): bytes or a size such as 30GiB; None: 90% of
+    # the GPU's free memory (on CPU: every expert and a little KV)
+    gpu_memory_budget: int | str | None = None
     load_format: str = "auto"  # "auto" (safetensors) or "dummy" (random weights from config.json)
     router_skew: float = 0.0  # dummy weights only: see rimuru.models.dummy
     router_regimes: int = 1  # dummy weights with a skew: vocabulary parts routed by their own rankings
     max_num_seqs: int = 256  # requests in one batch
-    # tokens in one forward pass (prefill chunks + decodes); 2048, as in every paper-scenario run: mixed steps' CUDA
-    # graphs cover every step, and the plan's activation reserve is 912 MiB smaller than at 8192 for Qwen1.5-MoE
+    # tokens in one forward pass (prefill chunks + decodes): at 2048 mixed steps' CUDA graphs cover every step and the
+    # activation reserve stays small (docs/benchmarks/paper-scenario.md)
     max_num_batched_tokens: int = 2048
     max_model_len: int | None = None  # None: the model's max_position_embeddings
-    page_tokens: int = DEFAULT_PAGE_TOKENS
+    page_tokens: int = DEFAULT_PAGE_TOKENS  # tokens a KV page holds (lowered to what an expert page carries)
     tokenizer: str | None = None  # None: the checkpoint folder
     expert_policy: str = "elastic"  # "resident" | "fixed" | "elastic" (docs/architecture.md, Expert tiers)
     # elastic cap per layer, also sizing the loading buffers. None: no cap with direct reads (the budget and the cost
     # rule decide); with copies, a quarter of a layer or the least the budget requires, whichever is more
     expert_offload_limit: int | None = None
-    # elastic: "cost" (rimuru.cost_adjuster) | "paper" (docs/architecture.md, The adjuster). The cost rule, at or
-    # above 0.99x the paper's at every rate and skew measured on the H200 and 1.32x it under flatter routing
-    # (paper-scenario.md)
+    # elastic: "cost" evicts only while that raises throughput (rimuru.cost_adjuster), "paper" whenever KV runs
+    # short (docs/architecture.md, The adjuster; the two compared in docs/benchmarks/paper-scenario.md)
     adjuster: str = "cost"
     copy_compute_ratio: float = 1.0  # cost: copies up to this x a step's compute hide under it (direct reads never)
     ttft_slo: float | None = None  # cost: seconds the oldest waiting request may wait before evicting despite cost
@@ -90,7 +109,7 @@ class EngineConfig:
     prefetch: bool = True  # expert_reads="copy": predict the next layer's experts and copy them ahead
     # a routed expert that is on the host: let the expert kernel read its pinned host copy over the host link
     # ("direct": no routing hook, no loading buffers) or "copy" it into a loading buffer first (the hook waits for
-    # the router, then copies and prefetches). Direct won every H200 run (docs/benchmarks/paper-scenario.md)
+    # the router, then copies and prefetches). Direct: docs/benchmarks/paper-scenario.md
     expert_reads: str = "direct"
     cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: the same path)
     # steps that mix prefill chunks and decodes (up to 2048 tokens) as graph replays too (with cuda_graphs): their
@@ -114,8 +133,9 @@ class EngineConfig:
             raise ValueError(f"{name} must be in [0, {num_experts}] (the experts of a layer), got {count}")
         return count
 
-    def resolve(self, max_position_embeddings: int, checkpoint_dtype: torch.dtype) -> "EngineConfig":
+    def resolve(self, max_position_embeddings: int, checkpoint_dtype: torch.dtype) -> EngineConfig:
         """A copy with device, dtype, budget and max_model_len filled in; raises ValueError on bad values."""
+        import torch
         device = self.device or ("cuda" if torch.cuda.is_available() else "cpu")
         dtype = self.dtype or (checkpoint_dtype if torch.device(device).type == "cuda" else torch.float32)
         if isinstance(dtype, str):
@@ -128,18 +148,29 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "page_tokens", "router_regimes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
-        if self.load_format not in ("auto", "dummy"):
-            raise ValueError(f"load_format must be 'auto' or 'dummy', got {self.load_format!r}")
-        if self.expert_policy not in ("resident", "fixed", "elastic"):
-            raise ValueError(f"expert_policy must be 'resident', 'fixed' or 'elastic', got {self.expert_policy!r}")
-        if self.expert_reads not in ("copy", "direct"):
-            raise ValueError(f"expert_reads must be 'copy' or 'direct', got {self.expert_reads!r}")
-        if self.preemption not in ("swap", "recompute"):
-            raise ValueError(f"preemption must be 'swap' or 'recompute', got {self.preemption!r}")
-        if self.adjuster not in ("paper", "cost"):
-            raise ValueError(f"adjuster must be 'paper' or 'cost', got {self.adjuster!r}")
+        for name, allowed in CHOICES.items():
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         if self.copy_compute_ratio < 0 or (self.ttft_slo is not None and self.ttft_slo < 0):
             raise ValueError("copy_compute_ratio and ttft_slo must be >= 0")
         budget = parse_bytes(self.gpu_memory_budget)
         _check_device(device, budget)
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len, gpu_memory_budget=budget)
+
+
+def field_docs() -> dict[str, str]:
+    """Each `EngineConfig` field's comment (the line's own, or the lines above it), the command line's help."""
+    with open(__file__) as f:
+        source = f.read()
+    body = source[source.index("class EngineConfig:"):source.index("    def offload_count")]
+    docs, above = {}, []
+    for line in body.splitlines()[1:]:
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            above.append(stripped.lstrip("# "))
+        elif ":" in stripped:
+            name = stripped.split(":")[0]
+            own = [t.string.lstrip("# ") for t in tokenize.generate_tokens(io.StringIO(stripped).readline)
+                   if t.type == tokenize.COMMENT]  # fmt: skip
+            docs[name], above = " ".join(above + own), []
+    return docs

@@ -9,31 +9,34 @@ import argparse
 import dataclasses
 import os
 import sys
-import typing
 
-from rimuru.config import EngineConfig
-from rimuru.models.fabricate import EXPERT_LAYOUTS
+from rimuru.config import BENCHMARK_ONLY, CHOICES, EngineConfig, field_docs
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """One flag per `EngineConfig` field but `model` and `progress`, with the field's default."""
-    group = parser.add_argument_group("engine")
-    hints = typing.get_type_hints(EngineConfig)
+    """One flag per `EngineConfig` field but `model` and `progress`, its help the field's comment, its choices and
+    default the config's; the flags only benchmarks need in a group of their own."""
+    engine = parser.add_argument_group("engine")
+    benchmark = parser.add_argument_group("benchmarks (random weights)")
+    docs = field_docs()
     for field in dataclasses.fields(EngineConfig):
         if field.name in ("model", "progress"):
             continue
-        flag = "--" + field.name.replace("_", "-")
-        kind = _flag_type(hints[field.name])
+        group = benchmark if field.name in BENCHMARK_ONLY else engine
+        flag, kind = "--" + field.name.replace("_", "-"), _flag_type(field.type)
+        text = f"{docs.get(field.name, '')} (default: {field.default})".replace("%", "%%")
         if kind is bool:
-            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default)
+            group.add_argument(flag, dest=field.name, action=argparse.BooleanOptionalAction, default=field.default,
+                               help=text)  # fmt: skip
         else:
-            group.add_argument(flag, dest=field.name, type=kind, default=field.default, help=f"default: {field.default}")
+            group.add_argument(flag, dest=field.name, type=kind, default=field.default, help=text,
+                               choices=CHOICES.get(field.name))  # fmt: skip
 
 
-def _flag_type(hint) -> type:
-    """int for `int | None`, float for `float`; str whenever a string is allowed (sizes, dtypes: parsed later)."""
-    options = typing.get_args(hint) or (hint,)
-    return next((t for t in (str, bool, int, float) if t in options), str)
+def _flag_type(annotation: str) -> type:
+    """int for 'int | None', float for 'float'; str whenever a string is allowed (sizes, dtypes: parsed later)."""
+    options = {part.strip() for part in annotation.split("|")}
+    return next((t for t in (str, bool, int, float) if t.__name__ in options), str)
 
 
 def engine_options(args: argparse.Namespace) -> dict:
@@ -135,8 +138,8 @@ def _add_serve_parser(commands) -> None:
     serve.add_argument("model", nargs="?", default=None,
                        help="checkpoint folder or Hugging Face repo id (default: the tiny model shipped with Rimuru)")
     group = serve.add_argument_group("server")
-    group.add_argument("--host", default="127.0.0.1")
-    group.add_argument("--port", type=int, default=8000)
+    group.add_argument("--host", default="127.0.0.1", help="address to listen on (default: 127.0.0.1, this machine only)")
+    group.add_argument("--port", type=int, default=8000, help="TCP port (default: 8000)")
     group.add_argument("--api-key", default=os.environ.get("RIMURU_API_KEY"),
                        help="require `Authorization: Bearer KEY` on /v1 routes (default: $RIMURU_API_KEY)")
     group.add_argument("--max-queued-requests", type=int, default=None,
@@ -146,7 +149,8 @@ def _add_serve_parser(commands) -> None:
     group.add_argument("--served-model-name", nargs="+", default=None,
                        help="names clients use for the model (default: the model argument)")
     group.add_argument("--max-body-bytes", type=int, default=8 * 2**20, help="larger request bodies get 413")
-    group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"))
+    group.add_argument("--log-level", default="info", choices=("debug", "info", "warning", "error"),
+                       help="the server's and the engine's logging (default: info)")
     add_engine_arguments(serve)
     serve.set_defaults(run=_serve)
 
@@ -194,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     fab.add_argument("--seed", type=int, default=0)
     fab.add_argument("--num-layers", type=int, default=3)
     fab.add_argument("--mlp-only-layers", type=int, nargs="*", default=[])
-    fab.add_argument("--expert-layout", choices=EXPERT_LAYOUTS, default="per_expert")
+    fab.add_argument("--expert-layout", default="per_expert", help='"per_expert" (as Qwen releases) or "fused"')
     fab.add_argument("--prefix", default="model.", help='"model." or "model.language_model."')
     fab.add_argument("--num-shards", type=int, default=1)
     fab.set_defaults(run=_fabricate)

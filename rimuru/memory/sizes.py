@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-DEFAULT_PAGE_TOKENS = 16
+from rimuru.config import DEFAULT_PAGE_TOKENS
+
 # An SSM page whose lcm with the expert page exceeds this many middle pages is padded instead (see _ssm_stride).
 _MAX_MIDDLE_PAGES_PER_HUGE = 16
 

@@ -105,3 +105,22 @@ def test_a_short_host_memory_reading_is_read_again_before_refusing(monkeypatch):
     monkeypatch.setattr(engine.time, "sleep", lambda s: None)
     assert engine._host_memory_within(50, wait_s=60.0) == 50
     assert engine._host_memory_within(100, wait_s=0.0) == 90
+
+
+def test_the_parser_is_built_without_torch_and_every_engine_flag_has_help():
+    """`rimuru --help` answers before torch loads; each flag says what it does, string options list their values."""
+    import subprocess
+    import sys
+
+    probe = ("import sys; from rimuru.serving.cli import build_parser; build_parser().format_help(); "
+             "print('torch' in sys.modules)")  # fmt: skip
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
+    from rimuru.serving.cli import build_parser
+
+    serve = build_parser()._subparsers._group_actions[0].choices["serve"]
+    flags = {a.dest: a for a in serve._actions if a.option_strings and a.dest not in ("help",)}
+    silent = [name for name, action in flags.items() if not action.help or action.help.startswith("(default")]
+    assert not silent
+    assert flags["preemption"].choices == ("swap", "recompute") and flags["expert_policy"].choices
+    groups = {g.title: [a.dest for a in g._group_actions] for g in serve._action_groups}
+    assert "router_skew" in groups["benchmarks (random weights)"] and "router_skew" not in groups["engine"]
