@@ -49,11 +49,24 @@ class ExpertWeights:
         return self.gate[expert_id], self.up[expert_id], self.down[expert_id]
 
 
+TINY_MODEL_NAME = "tiny-qwen-moe"  # the fabricated checkpoint shipped in the package: `LLM("tiny-qwen-moe")`
+
+
+def tiny_model_path() -> str:
+    """The shipped tiny checkpoint's folder (package data beside the server's assets)."""
+    from importlib import resources
+
+    return os.fspath(resources.files("rimuru.serving").joinpath("assets", TINY_MODEL_NAME))
+
+
 def resolve_folder(path_or_repo_id: str | os.PathLike) -> str:
-    """A local folder, or a Hugging Face repo id found in the cache (or downloaded unless HF_HUB_OFFLINE is set)."""
+    """A local folder, the shipped tiny model by its name, or a Hugging Face repo id found in the cache (or
+    downloaded unless HF_HUB_OFFLINE is set)."""
     path = os.path.expanduser(os.fspath(path_or_repo_id))
     if os.path.isdir(path):
         return path
+    if path == TINY_MODEL_NAME:
+        return tiny_model_path()
     if not _looks_like_repo_id(path):
         raise FileNotFoundError(f"checkpoint folder {path!r} does not exist")
     return _snapshot(path)

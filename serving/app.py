@@ -71,10 +71,14 @@ async def version() -> dict:
     return {"version": rimuru.__version__ if hasattr(rimuru, "__version__") else _package_version()}
 
 
-@get("/metrics", summary="Prometheus metrics", media_type=CONTENT_TYPE_LATEST)
+# Litestar appends the charset to text/* itself: Prometheus' type without its own charset, or the header has two
+METRICS_TYPE = CONTENT_TYPE_LATEST.replace("; charset=utf-8", "")
+
+
+@get("/metrics", summary="Prometheus metrics", media_type=METRICS_TYPE)
 async def metrics(request: Request) -> Response:
     body = request.app.state.metrics.render()
-    return Response(body, media_type=CONTENT_TYPE_LATEST, status_code=200)
+    return Response(body, media_type=METRICS_TYPE, status_code=200)
 
 
 @get("/dashboard", summary="Live memory dashboard", media_type="text/html")

@@ -161,7 +161,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_serve_parser(commands)
 
     generate = commands.add_parser("generate", help="generate text for a few prompts")
-    generate.add_argument("model", help="checkpoint folder or Hugging Face repo id")
+    generate.add_argument("model", nargs="?", default="tiny-qwen-moe",
+                          help="checkpoint folder or Hugging Face repo id (default: the tiny model shipped with Rimuru)")
     generate.add_argument("--prompt", action="append", help="a prompt (repeat for several)")
     generate.add_argument("--max-tokens", type=int, default=32)
     generate.add_argument("--temperature", type=float, default=0.0)

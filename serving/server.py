@@ -9,12 +9,12 @@ import logging
 import os
 import signal
 import socket
-from importlib import resources
 
 import uvicorn
 
 from rimuru.config import EngineConfig
 from rimuru.engine import Engine
+from rimuru.models.checkpoint import TINY_MODEL_NAME, tiny_model_path
 from rimuru.serving.app import create_app
 from rimuru.serving.engine_loop import EngineLoop
 from rimuru.serving.gateway import Gateway, ServerSettings
@@ -22,14 +22,6 @@ from rimuru.serving.metrics import Metrics
 from rimuru.serving.timeline import Timeline
 
 logger = logging.getLogger("rimuru.serving")
-TINY_MODEL_NAME = "tiny-qwen-moe"
-
-
-def tiny_model_path() -> str:
-    """The tiny fabricated checkpoint shipped inside the package (`rimuru fabricate --arch qwen3_moe`)."""
-    return os.fspath(resources.files("rimuru.serving").joinpath("assets", TINY_MODEL_NAME))
-
-
 def leave_a_core_for_the_event_loop(device: str | None) -> None:
     """On CPU, torch's intra-op threads default to every core and spin against the event loop's thread (a tiny-model
     step took 50 ms with two threads on two busy cores, 2.5 ms with one); one core stays free. OMP_NUM_THREADS wins."""

@@ -124,3 +124,17 @@ def test_the_parser_is_built_without_torch_and_every_engine_flag_has_help():
     assert flags["preemption"].choices == ("swap", "recompute") and flags["expert_policy"].choices
     groups = {g.title: [a.dest for a in g._group_actions] for g in serve._action_groups}
     assert "router_skew" in groups["benchmarks (random weights)"] and "router_skew" not in groups["engine"]
+
+
+def test_the_shipped_tiny_model_is_reachable_by_name_offline_and_from_generate(capsys):
+    """`LLM("tiny-qwen-moe")` and `rimuru generate` without a model run the checkpoint `rimuru serve` serves."""
+    from rimuru import LLM, SamplingParams
+    from rimuru.serving.cli import main
+    from rimuru.serving.server import tiny_model_path
+
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    by_name = LLM("tiny-qwen-moe", progress=False).generate(["Hello, my name is"], greedy, use_tqdm=False)
+    by_path = LLM(tiny_model_path(), progress=False).generate(["Hello, my name is"], greedy, use_tqdm=False)
+    assert by_name[0].outputs[0].token_ids == by_path[0].outputs[0].token_ids
+    assert main(["generate", "--max-tokens", "6"]) == 0
+    assert capsys.readouterr().out.strip() == "Hello, my name is" + by_name[0].outputs[0].text

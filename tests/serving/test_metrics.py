@@ -18,7 +18,9 @@ def test_metrics_after_traffic(server):
     before = _value(httpx.get(f"{server.url}/metrics").text, "rimuru:generation_tokens_total")
     body = {"prompt": "Hello", "max_tokens": 7, "ignore_eos": True}
     assert httpx.post(f"{server.url}/v1/completions", json=body, timeout=30).status_code == 200
-    text = httpx.get(f"{server.url}/metrics").text
+    response = httpx.get(f"{server.url}/metrics")
+    text = response.text
+    assert response.headers["content-type"].count("charset") == 1, response.headers["content-type"]
     for name in NAMES:
         assert f"\n{name}{{" in text, name
     for kind in ("expert", "kv", "free", "trapped"):
