@@ -114,8 +114,17 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True):
     logprobs: bool = False
     top_logprobs: TopLogprobs | None = None
     add_generation_prompt: bool = True
+    # accepted so that asking for them gets a clear 400 rather than being ignored: no tool calls, no JSON mode yet
+    tools: list[dict] | None = None
+    tool_choice: str | dict | None = None
+    response_format: dict | None = None
 
     def num_logprobs(self) -> int | None:
+        """The top log-probabilities asked for (None: none); ValueError for what Rimuru does not do."""
+        if self.tools or self.tool_choice not in (None, "none"):
+            raise ValueError("tools and tool_choice are not supported: Rimuru does not produce tool calls")
+        if self.response_format is not None and self.response_format.get("type", "text") != "text":
+            raise ValueError(f"response_format {self.response_format.get('type')!r} is not supported; only 'text'")
         if self.top_logprobs is not None and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs set to true")
         return (self.top_logprobs or 0) if self.logprobs else None

@@ -155,3 +155,18 @@ def test_streamed_text_never_takes_back_a_stop_string(client):
     whole = client.completions.create(**kwargs).choices[0]
     streamed = "".join(c.choices[0].text for c in client.completions.create(stream=True, **kwargs) if c.choices)
     assert whole.finish_reason == "stop" and streamed == whole.text and stop not in streamed
+
+
+@pytest.mark.parametrize("extra, refused", [
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, "tools"),
+    ({"tool_choice": "required"}, "tools"),
+    ({"response_format": {"type": "json_object"}}, "response_format"),
+    ({"response_format": {"type": "text"}, "tool_choice": "none"}, None),
+])  # fmt: skip
+def test_tools_and_json_mode_are_refused_not_ignored(server, extra, refused):
+    body = {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2} | extra
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=body, timeout=30)
+    if refused is None:
+        assert response.status_code == 200
+    else:
+        assert response.status_code == 400 and refused in response.json()["error"]["message"]
