@@ -6,7 +6,8 @@ never has to be taken back; the last delta carries the full output as the stop c
 thread (the tokenizer is engine state).
 """
 
-from dataclasses import dataclass
+import functools
+from dataclasses import dataclass, field
 
 from rimuru.request import Request
 from rimuru.serving.submission import Submission
@@ -18,6 +19,8 @@ class TokenLogprob:
     token: str
     logprob: float
     top: list[tuple[int, str, float]]  # (token id, token, log-probability), most likely first
+    token_bytes: bytes = b""  # the token's own bytes (a part of a UTF-8 character stays that part)
+    top_bytes: list[bytes] = field(default_factory=list)  # the same for each of `top`
 
 
 @dataclass
@@ -67,9 +70,29 @@ def _logprobs(request: Request, start: int, tokenizer) -> list[TokenLogprob]:
     for token_id, entry in zip(request.output_token_ids[start:], (request.logprobs or [])[start:]):
         top = sorted(entry.items(), key=lambda kv: -kv[1])[:num_top]
         out.append(TokenLogprob(token_id, token_text(tokenizer, token_id), entry.get(token_id, float("-inf")),
-                                [(t, token_text(tokenizer, t), lp) for t, lp in top]))  # fmt: skip
+                                [(t, token_text(tokenizer, t), lp) for t, lp in top], token_bytes(tokenizer, token_id),
+                                [token_bytes(tokenizer, t) for t, _ in top]))  # fmt: skip
     return out
 
 
 def token_text(tokenizer, token_id: int) -> str:
     return f"token_id:{token_id}" if tokenizer is None else tokenizer.decode([token_id])
+
+
+def token_bytes(tokenizer, token_id: int) -> bytes:
+    """The bytes a token stands for: byte-level BPE pieces (Qwen's) mapped back through GPT-2's byte alphabet, so a
+    token holding half a UTF-8 character gives those bytes, not U+FFFD's."""
+    if tokenizer is None:
+        return token_text(tokenizer, token_id).encode()
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    alphabet = _byte_alphabet()
+    if piece is not None and all(c in alphabet for c in piece):
+        return bytes(alphabet[c] for c in piece)
+    return token_text(tokenizer, token_id).encode()
+
+
+@functools.cache
+def _byte_alphabet() -> dict[str, int]:
+    from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+    return {char: byte for byte, char in bytes_to_unicode().items()}

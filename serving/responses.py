@@ -145,8 +145,11 @@ class ChatFormatter(Formatter):
 
     @staticmethod
     def _logprobs(entries: list[TokenLogprob]) -> dict:
-        def item(token: str, logprob: float) -> dict:
-            return {"token": token, "logprob": logprob, "bytes": list(token.encode("utf-8"))}
+        def item(token: str, logprob: float, raw: bytes) -> dict:
+            return {"token": token, "logprob": logprob, "bytes": list(raw or token.encode("utf-8"))}
 
-        return {"content": [item(e.token, e.logprob) | {"top_logprobs": [item(t, lp) for _, t, lp in e.top]}
-                            for e in entries]}  # fmt: skip
+        def top(e: TokenLogprob) -> list[dict]:
+            raws = e.top_bytes or [b""] * len(e.top)
+            return [item(t, lp, raw) for (_, t, lp), raw in zip(e.top, raws, strict=True)]
+
+        return {"content": [item(e.token, e.logprob, e.token_bytes) | {"top_logprobs": top(e)} for e in entries]}

@@ -170,3 +170,23 @@ def test_tools_and_json_mode_are_refused_not_ignored(server, extra, refused):
         assert response.status_code == 200
     else:
         assert response.status_code == 400 and refused in response.json()["error"]["message"]
+
+
+def test_chat_logprob_bytes_are_the_tokens_own_and_join_into_the_text(client):
+    """Sampled at temperature 1, the tiny tokenizer's byte tokens split characters; their `bytes` still join into the
+    text's UTF-8 (they were U+FFFD's three bytes each)."""
+    from transformers import AutoTokenizer
+
+    from rimuru.models.checkpoint import tiny_model_path
+    from rimuru.serving.choice import token_bytes
+
+    reply = client.chat.completions.create(model="tiny-qwen-moe", messages=[{"role": "user", "content": "Hi"}],
+                                           max_tokens=24, temperature=1.0, seed=3, logprobs=True, top_logprobs=2,
+                                           extra_body={"ignore_eos": True, "return_token_ids": True})  # fmt: skip
+    choice = reply.choices[0]
+    joined = b"".join(bytes(entry.bytes) for entry in choice.logprobs.content)
+    assert joined.decode("utf-8", errors="replace") == choice.message.content
+    assert any(len(e.bytes) == 1 and e.bytes[0] >= 0x80 for e in choice.logprobs.content)  # a split character
+    assert all(len(e.top_logprobs) == 2 and all(t.bytes for t in e.top_logprobs) for e in choice.logprobs.content)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
+    assert b"".join(token_bytes(tokenizer, i) for i in tokenizer.encode("日本")) == "日本".encode()
