@@ -179,8 +179,6 @@ class Engine:
         outside_pool = None if cfg.gpu_memory_budget is None else cfg.gpu_memory_budget - self.pool.num_bytes
         check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes, buffer_experts, outside_pool)
         ranking = find_ranking(folder, cfg.expert_ranking, mc.moe_layer_ids, mc.num_experts)
-        if ranking.is_uniform and count:
-            logger.warning("no expert_ranking.json: experts are offloaded in id order; run `rimuru profile` first")
         self.adjuster = Adjuster(ranking, count) if cfg.expert_policy == "elastic" else None
         is_cost = self.adjuster is not None and cfg.adjuster == "cost"
         popularity = ExpertPopularity(ranking, mc.num_experts, self.device) if is_cost else None
@@ -188,6 +186,8 @@ class Engine:
         self.expert_manager = ExpertManager(self.experts, buffer_experts, routers, mc.num_experts_per_tok,
                                             cfg.prefetch and not direct, popularity, direct)  # fmt: skip
         self.experts.place(initial_offload(cfg.expert_policy, count, self.experts, Adjuster(ranking, count)))
+        if ranking.is_uniform and (self.experts.num_offloaded or (count and not is_cost)):  # the cost rule counts live
+            logger.warning("no expert_ranking.json: experts are offloaded in id order; run `rimuru profile` first")
         if is_cost:  # after the placement, whose copies are its first bandwidth sample
             thresholds = CostThresholds(copy_compute_ratio=cfg.copy_compute_ratio, ttft_slo=cfg.ttft_slo)
             reads = self.expert_manager.direct_reads if direct else None
