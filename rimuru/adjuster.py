@@ -47,6 +47,13 @@ class ChangeList:
 class Adjuster:
     def __init__(self, ranking: ExpertRanking, offload_limit: int, thresholds: AdjusterThresholds = AdjusterThresholds()):
         self.ranking, self.offload_limit, self.thresholds = ranking, offload_limit, thresholds
+        self.estimates: dict[str, float] = {}  # the paper's rule models nothing (`PoolAdjuster`)
+
+    def observe(self, step_seconds: float, num_tokens: int, waiting=(), running: int = 0, kv_pages: int = 0) -> None:
+        """The paper's rule learns nothing from a step."""
+
+    def refresh_if_due(self) -> None:
+        """Nothing to refresh."""
 
     def reclaimable_experts(self, offloaded: dict[int, set[int]], stalled: bool = False) -> int:
         """Experts this round may still evict: every one under the offload limit (the paper ignores cost). Pure."""

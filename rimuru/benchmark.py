@@ -118,7 +118,7 @@ SERIES_ESTIMATES = ("cost_affordable_evictions", "cost_calibration", "cost_predi
 
 def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
     stats = engine.allocator.stats()
-    estimates = getattr(engine.adjuster, "estimates", {})  # the cost rule's view, each step (adjuster="cost")
+    estimates = {} if engine.adjuster is None else engine.adjuster.estimates  # the cost rule's view, each step
     manager = engine.expert_manager
     # direct reads, cumulative: one 8-byte read from the GPU a step, after sampling has synchronised anyway
     reads = {"direct_reads": manager.direct_reads() - before["experts"]["direct_reads"]} if manager.direct else {}

@@ -15,7 +15,7 @@ import torch
 
 from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig, format_bytes, host_memory
-from rimuru.cost_adjuster import CostAdjuster, CostThresholds
+from rimuru.cost_adjuster import CostThresholds
 from rimuru.cuda_allocator import use_expandable_segments
 from rimuru.expert_manager import ExpertManager
 from rimuru.expert_placement import check_budget, initial_offload, least_offload_per_layer
@@ -29,6 +29,7 @@ from rimuru.memory_profile import ProfileShapes, profile_step_memory
 from rimuru.model_runner import ModelRunner
 from rimuru.models import ModelConfig, from_pretrained
 from rimuru.models.checkpoint import resolve_folder
+from rimuru.pool_adjuster import PoolAdjuster, build_adjuster
 from rimuru.popularity import ExpertPopularity
 from rimuru.request import Request
 from rimuru.sampler import Sampler
@@ -179,8 +180,7 @@ class Engine:
         outside_pool = None if cfg.gpu_memory_budget is None else cfg.gpu_memory_budget - self.pool.num_bytes
         check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes, buffer_experts, outside_pool)
         ranking = find_ranking(folder, cfg.expert_ranking, mc.moe_layer_ids, mc.num_experts)
-        self.adjuster = Adjuster(ranking, count) if cfg.expert_policy == "elastic" else None
-        is_cost = self.adjuster is not None and cfg.adjuster == "cost"
+        is_cost = cfg.expert_policy == "elastic" and cfg.adjuster == "cost"
         popularity = ExpertPopularity(ranking, mc.num_experts, self.device) if is_cost else None
         routers = {layer: self.loaded.model.model.layers[layer].mlp.gate.weight for layer in mc.moe_layer_ids}
         self.expert_manager = ExpertManager(self.experts, buffer_experts, routers, mc.num_experts_per_tok,
@@ -188,11 +188,12 @@ class Engine:
         self.experts.place(initial_offload(cfg.expert_policy, count, self.experts, Adjuster(ranking, count)))
         if ranking.is_uniform and (self.experts.num_offloaded or (count and not is_cost)):  # the cost rule counts live
             logger.warning("no expert_ranking.json: experts are offloaded in id order; run `rimuru profile` first")
-        if is_cost:  # after the placement, whose copies are its first bandwidth sample
+        self.adjuster: PoolAdjuster | None = None  # built after the placement, whose copies are its first sample
+        if cfg.expert_policy == "elastic":
             thresholds = CostThresholds(copy_compute_ratio=cfg.copy_compute_ratio, ttft_slo=cfg.ttft_slo)
             reads = self.expert_manager.direct_reads if direct else None
-            self.adjuster = CostAdjuster(popularity, count, self.experts, mc.num_experts_per_tok, thresholds,
-                                         reads_in_place=reads, kv_pages_per_expert_page=self.allocator.children[KV])
+            self.adjuster = build_adjuster(cfg.adjuster, ranking, count, popularity, self.experts,
+                                           mc.num_experts_per_tok, thresholds, reads, self.allocator.children[KV])
 
     def _reclaimable_expert_pages(self, stalled: bool | None = None) -> int:
         """Expert pages the adjuster could still free by evicting this round (0 unless elastic). `stalled`: nothing
@@ -209,7 +210,7 @@ class Engine:
     def expert_stats(self) -> dict:
         """Counters of expert traffic plus the pool split now, for metrics and the dashboard."""
         buffer_pages = sum(len(b.slots) for b in self.expert_manager.buffers) * 3
-        estimates = getattr(self.adjuster, "estimates", {})  # the cost adjuster's model: why the pool moved
+        estimates = {} if self.adjuster is None else self.adjuster.estimates  # the rule's model: why the pool moved
         return self.expert_manager.stats_dict() | self.allocator.stats() | estimates | {
             "buffer_pages": buffer_pages,  # loading buffers, counted in expert_used_pages too
             "offloaded_experts": self.experts.num_offloaded,
@@ -311,7 +312,7 @@ class Engine:
             step_seconds = clock.lap("forward")
             self.expert_manager.end_step()
             step_seconds += clock.lap("expert_changes")
-            if isinstance(self.adjuster, CostAdjuster):  # the step's wall time: forward, sampling, expert copies
+            if self.adjuster is not None:  # the step's wall time: forward, sampling, expert copies
                 self.adjuster.observe(step_seconds, batch.num_tokens, self.scheduler.waiting,
                                       len(self.scheduler.running), self.allocator.num_used_pages(KV))
                 self.adjuster_seconds += clock.lap("observe")
@@ -349,7 +350,7 @@ class Engine:
     def _while_the_pass_runs(self) -> None:
         """Host work that needs nothing of the pass just launched, done before the sampler waits for it: on a GPU it
         costs the step nothing (on the CPU the pass has already run)."""
-        if isinstance(self.adjuster, CostAdjuster):
+        if self.adjuster is not None:
             start = time.perf_counter()
             self.adjuster.refresh_if_due()
             self.adjuster_seconds += time.perf_counter() - start
