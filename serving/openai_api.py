@@ -75,8 +75,20 @@ async def _answer(generation: Generation, formatter: Formatter, stream: bool, in
     return Response(formatter.response(), status_code=200)
 
 
+# characters JSON carries raw but line splitters such as Python's str.splitlines break an event at
+_LINE_BREAKS = {"\u0085".encode(): b"\\u0085", "\u2028".encode(): b"\\u2028", "\u2029".encode(): b"\\u2029"}
+
+
+def sse_json(value) -> bytes:
+    """JSON for one server-sent event's data line, with the Unicode line breaks escaped."""
+    data = msgspec.json.encode(value)
+    for raw, escaped in _LINE_BREAKS.items():
+        data = data.replace(raw, escaped)
+    return data
+
+
 async def _sse(generation: Generation, formatter: Formatter, include_usage: bool):
-    encode = msgspec.json.encode
+    encode = sse_json
     try:
         async for deltas in generation.deltas():
             for chunk in formatter.chunks(deltas, include_usage):

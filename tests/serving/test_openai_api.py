@@ -190,3 +190,13 @@ def test_chat_logprob_bytes_are_the_tokens_own_and_join_into_the_text(client):
     assert all(len(e.top_logprobs) == 2 and all(t.bytes for t in e.top_logprobs) for e in choice.logprobs.content)
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_path())
     assert b"".join(token_bytes(tokenizer, i) for i in tokenizer.encode("日本")) == "日本".encode()
+
+
+def test_an_event_never_holds_a_raw_unicode_line_break():
+    """JSON may carry U+0085, U+2028 and U+2029 raw; a client splitting lines as str.splitlines does would cut the
+    event there, so the data line escapes them and still decodes to the same text."""
+    from rimuru.serving.openai_api import sse_json
+
+    text = "a\u0085b\u2028c\u2029d é\n"
+    data = sse_json({"choices": [{"text": text}]}).decode()
+    assert len(data.splitlines()) == 1 and json.loads(data)["choices"][0]["text"] == text
