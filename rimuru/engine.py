@@ -195,16 +195,12 @@ class Engine:
             self.adjuster = build_adjuster(cfg.adjuster, ranking, count, popularity, self.experts,
                                            mc.num_experts_per_tok, thresholds, reads, self.allocator.children[KV])
 
-    def _reclaimable_expert_pages(self, stalled: bool | None = None) -> int:
-        """Expert pages the adjuster could still free by evicting this round (0 unless elastic). `stalled`: nothing
-        but evicting can free pages (default: at most one request running), which overrides the cost rule."""
+    def _reclaimable_expert_pages(self, stalled: bool) -> int:
+        """Expert pages the adjuster could still free by evicting this round (0 unless elastic); `stalled` (the
+        scheduler's word: at most one request running) overrides the cost rule."""
         if self.adjuster is None:
             return 0
-        stalled = self._is_stalled() if stalled is None else stalled
         return self.adjuster.reclaimable_experts(self.experts.offloaded, stalled) * 3
-
-    def _is_stalled(self) -> bool:
-        return len(self.scheduler.running) <= 1
 
     @property
     def expert_stats(self) -> dict:
@@ -325,7 +321,7 @@ class Engine:
         free = self.allocator.num_free_expert_pages
         if free:  # pages the running batch is forecast to fill are not the experts' to grow into
             free = max(0, free - self._expert_pages_for_growth())
-        return self.adjuster.adjust(short, free, self.experts.offloaded, self._is_stalled())
+        return self.adjuster.adjust(short, free, self.experts.offloaded, self.scheduler.stalled)
 
     def _expert_pages_for_growth(self) -> int:
         """Free expert pages the running batch's forecast growth needs beyond the free KV pages already split off."""

@@ -50,7 +50,8 @@ class ScheduledBatch:
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
-                 reclaimable_expert_pages: Callable[[], int] = lambda: 0, swap: KVSwap | None = None):  # fmt: skip
+                 reclaimable_expert_pages: Callable[[bool], int] = lambda stalled: 0,
+                 swap: KVSwap | None = None):  # fmt: skip
         self.config = config
         self.kv_cache = kv_cache
         self.swap = swap  # None: a preempted request recomputes its prompt
@@ -67,6 +68,11 @@ class Scheduler:
     def add(self, request: Request) -> None:
         request.waiting_since = time.monotonic()
         self.waiting.append(request)
+
+    @property
+    def stalled(self) -> bool:
+        """At most one request runs: nothing but evicting experts can free pages (it overrides the cost rule)."""
+        return len(self.running) <= 1
 
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
@@ -133,7 +139,7 @@ class Scheduler:
         """Record an unmet request for KV pages; True if evicting experts could cover everything unmet so far."""
         self._unmet_pages += wanted_pages
         short = self._unmet_pages - self.kv_cache.allocator.num_free_small_pages()
-        return self.kv_cache.allocator.expert_pages_for(short) + 1 <= self.reclaimable_expert_pages()
+        return self.kv_cache.allocator.expert_pages_for(short) + 1 <= self.reclaimable_expert_pages(self.stalled)
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         if self.swap is None or not self.swap.save(request):
