@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_memory import pinned_empty
+
 _PREFIXES = (
     ("model.language_model.", "model."),
     ("language_model.model.", "model."),
@@ -40,9 +42,8 @@ class ExpertWeights:
 
     @classmethod
     def empty(cls, num_experts: int, num_features: int, hidden_size: int, dtype: torch.dtype) -> "ExpertWeights":
-        pin = torch.cuda.is_available()
         e, f, d = num_experts, num_features, hidden_size
-        return cls(*(torch.empty(shape, dtype=dtype, pin_memory=pin) for shape in ((e, f, d), (e, f, d), (e, d, f))))
+        return cls(*(pinned_empty(shape, dtype) for shape in ((e, f, d), (e, f, d), (e, d, f))))
 
     def matrices(self, expert_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """(gate [F, D], up [F, D], down [D, F]) of one expert: the three pages' contents, in page-table order."""

@@ -57,7 +57,7 @@
 #   hostphases  the host time of each part of a decode step (tools/profile_step.py), paper rule against cost rule:
 #             $MODEL at $BUDGET, PROFILE_FLAGS (default --num-requests 1), ~1 min each
 #   defaults3 Qwen3-30B-A3B with no policy flags at BUDGETS (24 32 40 GiB), each beside FIXED (fixed64 fixed80
-#             fixed96) in one process; records in $OUT/qwen3-<B>g-r$RATE.tar.gz (~5 min a budget: one call each)
+#             fixed96) in one process; records in $OUT/qwen3-<B>g-<policy>-r$RATE.tar.gz (~2 min a run)
 #   shift     the scenario with a stream whose prompts move to the other half of the vocabulary halfway
 #             (tools/shift_stream.py, dummy weights with --router-regimes 2, ranking profiled on the first half):
 #             fixed-8, elastic-8 and cost-8 (whose swaps follow the shift); $OUT/shift-r$RATE.tar.gz
@@ -262,8 +262,9 @@ qwen3() {  # the does-not-fit scenario: Qwen3-30B-A3B (58 GB of experts) on a 40
 defaults3() {  # issue 26: Qwen3-30B-A3B with no policy flags at 24, 32, 40 GiB beside a fixed-offload sweep, per budget
   local MODEL=.bench/qwen3-30b-a3b BENCH_FLAGS="--time-limit-s ${TIME_LIMIT_S:-90} ${BENCH_FLAGS:-}" b
   for b in ${BUDGETS:-24 32 40}; do
-    # shellcheck disable=SC2086
-    BUDGET=${b}GiB policies "qwen3-${b}g-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" default ${FIXED:-fixed64 fixed80 fixed96}
+    for p in default ${FIXED:-fixed64 fixed80 fixed96}; do  # a process each: a second engine in one process hit a cuBLAS error
+      BUDGET=${b}GiB policies "qwen3-${b}g-$p-r$RATE" "$STREAM" "$(ranking_path)" "$SKEW_FLAGS" "$p"
+    done
   done
 }
 
