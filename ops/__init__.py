@@ -8,6 +8,7 @@ fake implementations.
 
 import torch
 
+import rimuru.ops.linear_attention  # noqa: F401  (registers rimuru::gated_delta_* and causal_conv1d_*)
 import rimuru.ops.paged_attention  # noqa: F401  (registers rimuru::paged_attention)
 import rimuru.ops.paged_moe  # noqa: F401  (registers rimuru::paged_moe)
 import rimuru.ops.rms_norm  # noqa: F401  (registers rimuru::rms_norm)

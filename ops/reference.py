@@ -125,3 +125,117 @@ def paged_attention(
         scores.masked_fill_(k_pos[None, None, :] > q_pos[None, :, None], float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), values).to(query.dtype)
     return out
+
+
+# Linear-attention state views (hybrid models): one request's state of one linear layer a page.
+#   ssm_view   [P, Hv, Dk, Dv]  the gated delta rule's recurrent state (the checkpoint's mamba_ssm_dtype)
+#   conv_view  [P, C, W - 1]    the last W - 1 inputs of the causal depthwise conv (C channels, kernel width W)
+
+
+def _l2norm(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.rsqrt((x * x).sum(dim=-1, keepdim=True) + 1e-6)
+
+
+def _delta_inputs(q, k, v, g, beta, num_value_heads: int):
+    """fp32 q, k (L2-normalised, q scaled by Dk^-0.5, repeated over the value heads they serve), v, g, beta."""
+    group = num_value_heads // k.shape[-2]
+    q, k = (_l2norm(x.float()).repeat_interleave(group, dim=-2) for x in (q, k))
+    return q * q.shape[-1] ** -0.5, k, v.float(), g.float(), beta.float()
+
+
+def gated_delta_step(
+    q: torch.Tensor,  # [B, Hk, Dk]
+    k: torch.Tensor,  # [B, Hk, Dk]
+    v: torch.Tensor,  # [B, Hv, Dv]
+    g: torch.Tensor,  # [B, Hv] log decay (<= 0)
+    beta: torch.Tensor,  # [B, Hv] write strength
+    ssm_view: torch.Tensor,  # [P, Hv, Dk, Dv]
+    state_ids: torch.Tensor,  # [B] int: each request's state page; negative skips the row (padding)
+) -> torch.Tensor:  # [B, Hv, Dv]
+    """One token of the gated delta rule a request: S = exp(g) S; S += k (beta (v - S^T k))^T; out = S^T q. The
+    states are updated in place in their pages."""
+    dtype = v.dtype
+    q, k, v, g, beta = _delta_inputs(q, k, v, g, beta, v.shape[-2])
+    out = torch.zeros_like(v)
+    live = (state_ids >= 0).nonzero().flatten()
+    ids = state_ids[live].long()
+    state = ssm_view[ids].float() * g[live].exp()[..., None, None]  # [b, Hv, Dk, Dv]
+    delta = (v[live] - (state * k[live].unsqueeze(-1)).sum(-2)) * beta[live].unsqueeze(-1)
+    state = state + k[live].unsqueeze(-1) * delta.unsqueeze(-2)
+    out[live] = (state * q[live].unsqueeze(-1)).sum(-2)
+    ssm_view[ids] = state.to(ssm_view.dtype)
+    return out.to(dtype)
+
+
+def gated_delta_chunk(
+    q: torch.Tensor,  # [T, Hk, Dk] one request's consecutive tokens
+    k: torch.Tensor,  # [T, Hk, Dk]
+    v: torch.Tensor,  # [T, Hv, Dv]
+    g: torch.Tensor,  # [T, Hv]
+    beta: torch.Tensor,  # [T, Hv]
+    ssm_view: torch.Tensor,  # [P, Hv, Dk, Dv]
+    state_id: int,  # the request's state page: read when `continues`, written with the state after the last token
+    continues: bool,  # False: the chunk starts the sequence (a zero state)
+    chunk_size: int = 64,
+) -> torch.Tensor:  # [T, Hv, Dv]
+    """The gated delta rule over a prompt chunk, `chunk_size` tokens at a time in matrix form (the WY / UT
+    transform): equal to `gated_delta_step` token by token, carried exactly across calls through the state page."""
+    dtype = v.dtype
+    q, k, v, g, beta = (x.transpose(0, 1) for x in _delta_inputs(q, k, v, g, beta, v.shape[-2]))  # [Hv, T, ...]
+    num_tokens = q.shape[1]
+    state = ssm_view[state_id].float() if continues else torch.zeros_like(ssm_view[state_id], dtype=torch.float32)
+    out = torch.empty_like(v)
+    mask = torch.ones(chunk_size, chunk_size, dtype=torch.bool, device=q.device).tril()
+    for start in range(0, num_tokens, chunk_size):
+        end = min(start + chunk_size, num_tokens)
+        qc, kc, vc, bc = q[:, start:end], k[:, start:end], v[:, start:end], beta[:, start:end]
+        n = end - start
+        decay = g[:, start:end].cumsum(-1)  # [Hv, n] log decay from the chunk's start through each token
+        pair = (decay.unsqueeze(-1) - decay.unsqueeze(-2)).masked_fill(~mask[:n, :n], float("-inf")).exp()
+        kbeta = kc * bc.unsqueeze(-1)
+        # (I + strictly-lower(beta k k^T decay)) solves for each token's correction u and decayed-key read w
+        system = (kbeta @ kc.transpose(-1, -2)) * pair
+        system = system.tril(-1) + torch.eye(n, dtype=system.dtype, device=system.device)
+        u = torch.linalg.solve_triangular(system, vc * bc.unsqueeze(-1), upper=False, unitriangular=True)
+        w = torch.linalg.solve_triangular(system, kbeta * decay.exp().unsqueeze(-1), upper=False, unitriangular=True)
+        u = u - w @ state  # the part of the new values the carried state does not already predict
+        out[:, start:end] = (qc * decay.exp().unsqueeze(-1)) @ state + ((qc @ kc.transpose(-1, -2)) * pair) @ u
+        tail = (decay[:, -1:] - decay).exp().unsqueeze(-1)  # decay from each token to the chunk's end
+        state = state * decay[:, -1].exp()[:, None, None] + (kc * tail).transpose(-1, -2) @ u
+    ssm_view[state_id] = state.to(ssm_view.dtype)
+    return out.transpose(0, 1).to(dtype).contiguous()
+
+
+def causal_conv1d_step(
+    x: torch.Tensor,  # [B, C] one token a request
+    conv_view: torch.Tensor,  # [P, C, W - 1]
+    state_ids: torch.Tensor,  # [B] int; negative skips the row
+    weight: torch.Tensor,  # [C, W]
+    bias: torch.Tensor | None,  # [C]
+) -> torch.Tensor:  # [B, C]
+    """SiLU(depthwise causal conv) of each request's next input over its last W - 1 inputs, which shift in place."""
+    out = torch.zeros_like(x)
+    live = (state_ids >= 0).nonzero().flatten()
+    ids = state_ids[live].long()
+    window = torch.cat([conv_view[ids].to(x.dtype), x[live].unsqueeze(-1)], dim=-1)  # [b, C, W]
+    y = (window.float() * weight.float()).sum(-1) + (0 if bias is None else bias.float())
+    out[live] = torch.nn.functional.silu(y).to(x.dtype)
+    conv_view[ids] = window[..., 1:].to(conv_view.dtype)
+    return out
+
+
+def causal_conv1d_chunk(
+    x: torch.Tensor,  # [T, C] one request's consecutive inputs
+    conv_view: torch.Tensor,  # [P, C, W - 1]
+    state_id: int,
+    continues: bool,  # False: the chunk starts the sequence (zero history)
+    weight: torch.Tensor,  # [C, W]
+    bias: torch.Tensor | None,
+) -> torch.Tensor:  # [T, C]
+    """`causal_conv1d_step` over a chunk of one request; its state page ends holding the last W - 1 inputs."""
+    history = conv_view[state_id].to(x.dtype) if continues else x.new_zeros(conv_view.shape[1:])
+    window = torch.cat([history, x.transpose(0, 1)], dim=-1)  # [C, W - 1 + T]
+    y = torch.nn.functional.conv1d(window.float().unsqueeze(0), weight.float().unsqueeze(1), None if bias is None
+                                   else bias.float(), groups=weight.shape[0])[0]  # fmt: skip
+    conv_view[state_id] = window[:, -conv_view.shape[-1]:].to(conv_view.dtype)
+    return torch.nn.functional.silu(y).transpose(0, 1).to(x.dtype).contiguous()

@@ -1,0 +1,122 @@
+"""The linear-attention ops over state pages against Hugging Face's torch paths for Qwen3-Next (the gated delta rule
+token by token and chunked, the causal conv1d): outputs and the states left in the pages."""
+
+import pytest
+import torch
+from transformers.models.qwen3_next import modeling_qwen3_next as hf
+
+import rimuru.ops  # noqa: F401  (registers the ops)
+from rimuru.ops import reference
+
+HK, HV, DK, DV, PAGES = 2, 4, 8, 6, 5
+
+
+def _delta_inputs(batch: int, tokens: int, seed: int = 0):
+    """HF-layout q, k [B, T, Hk, Dk], v [B, T, Hv, Dv], g, beta [B, T, Hv] and initial states [B, Hv, Dk, Dv]."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(batch, tokens, HK, DK, generator=gen) for _ in range(2))
+    v = torch.randn(batch, tokens, HV, DV, generator=gen)
+    g = -torch.rand(batch, tokens, HV, generator=gen) * 0.5  # log decays <= 0
+    beta = torch.rand(batch, tokens, HV, generator=gen)
+    state = torch.randn(batch, HV, DK, DV, generator=gen) * 0.1
+    return q, k, v, g, beta, state
+
+
+def _hf_recurrent(q, k, v, g, beta, state):
+    return hf.torch_recurrent_gated_delta_rule(q, k, v, g, beta, initial_state=state, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True)  # fmt: skip
+
+
+def test_gated_delta_step_matches_hf_token_by_token_and_skips_padding():
+    q, k, v, g, beta, state = _delta_inputs(batch=3, tokens=5)
+    expected, expected_state = _hf_recurrent(q, k, v, g, beta, state.clone())
+    ssm_view = torch.full((PAGES, HV, DK, DV), float("nan"))
+    ids = torch.tensor([3, 0, 4])
+    ssm_view[ids] = state
+    untouched = ssm_view[1].clone()
+    padded_ids = torch.tensor([3, 0, -1, 4])  # a padding row between the requests
+    for t in range(5):
+        pad = lambda x: torch.cat([x[:2, t], torch.zeros_like(x[:1, t]), x[2:, t]])  # noqa: E731
+        out = torch.ops.rimuru.gated_delta_step(pad(q), pad(k), pad(v), pad(g), pad(beta), ssm_view, padded_ids)
+        torch.testing.assert_close(out[[0, 1, 3]], expected[:, t], rtol=1e-4, atol=1e-5)
+        assert (out[2] == 0).all()
+    torch.testing.assert_close(ssm_view[ids], expected_state, rtol=1e-4, atol=1e-5)
+    assert torch.isnan(ssm_view[1]).all() and torch.isnan(untouched).all()
+
+
+@pytest.mark.parametrize("chunk_size", [4, 64])
+def test_gated_delta_chunk_matches_hf_and_carries_the_state_across_calls(chunk_size):
+    q, k, v, g, beta, state = _delta_inputs(batch=1, tokens=11, seed=1)
+    expected, expected_state = _hf_recurrent(q, k, v, g, beta, None)
+    hf_chunked, _ = hf.torch_chunk_gated_delta_rule(q, k, v, g, beta, chunk_size=chunk_size,
+                                                     use_qk_l2norm_in_kernel=True)  # fmt: skip
+    torch.testing.assert_close(hf_chunked, expected, rtol=1e-4, atol=1e-5)
+    ssm_view = torch.full((PAGES, HV, DK, DV), float("nan"))
+    parts = [(0, 6), (6, 7), (7, 11)]  # chunked prefill: the state page carries the sequence between calls
+    outs = [reference.gated_delta_chunk(q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b], ssm_view, 2,
+                                        continues=a > 0, chunk_size=chunk_size) for a, b in parts]  # fmt: skip
+    torch.testing.assert_close(torch.cat(outs), expected[0], rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(ssm_view[2], expected_state[0], rtol=1e-4, atol=1e-5)
+    assert torch.isnan(ssm_view[[0, 1, 3, 4]]).all()
+
+
+def test_gated_delta_chunk_then_steps_equals_hf_over_the_whole_sequence():
+    q, k, v, g, beta, _ = _delta_inputs(batch=1, tokens=9, seed=2)
+    expected, _ = _hf_recurrent(q, k, v, g, beta, None)
+    ssm_view = torch.zeros(PAGES, HV, DK, DV)
+    prefill = torch.ops.rimuru.gated_delta_chunk(q[0, :6], k[0, :6], v[0, :6], g[0, :6], beta[0, :6], ssm_view, 1,
+                                                 False)  # fmt: skip
+    decode = [torch.ops.rimuru.gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], ssm_view,
+                                                torch.tensor([1])) for t in range(6, 9)]  # fmt: skip
+    torch.testing.assert_close(torch.cat([prefill, *decode]), expected[0], rtol=1e-4, atol=1e-5)
+
+
+def test_causal_conv1d_matches_hf_prefill_then_decode():
+    channels, width, tokens = 6, 4, 7
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, channels, tokens, generator=gen)
+    weight, bias = torch.randn(channels, width, generator=gen), torch.randn(channels, generator=gen)
+    expected = hf.causal_conv1d_fn(x, weight, bias, activation="silu")  # [1, C, T]
+    conv_view = torch.full((PAGES, channels, width - 1), float("nan"))
+    prefill = [torch.ops.rimuru.causal_conv1d_chunk(x[0, :, a:b].T, conv_view, 4, a > 0, weight, bias)
+               for a, b in [(0, 2), (2, 5)]]  # a chunk shorter than the kernel's history  # fmt: skip
+    decode = [torch.ops.rimuru.causal_conv1d_step(x[0, :, t:t + 1].T, conv_view, torch.tensor([4]), weight, bias)
+              for t in range(5, tokens)]  # fmt: skip
+    torch.testing.assert_close(torch.cat([*prefill, *decode]), expected[0].T, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(conv_view[4], x[0, :, -(width - 1):])
+    assert torch.isnan(conv_view[:4]).all()
+
+
+def test_opcheck_linear_attention_ops():
+    q, k, v, g, beta, state = _delta_inputs(batch=2, tokens=3)
+    ssm_view = torch.zeros(PAGES, HV, DK, DV)
+    ssm_view[[1, 3]] = state
+    torch.library.opcheck(torch.ops.rimuru.gated_delta_step.default,
+                          (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm_view, torch.tensor([1, 3])))  # fmt: skip
+    torch.library.opcheck(torch.ops.rimuru.gated_delta_chunk.default,
+                          (q[0], k[0], v[0], g[0], beta[0], ssm_view, 2, True))  # fmt: skip
+    conv_view = torch.randn(PAGES, 6, 3)
+    weight, bias = torch.randn(6, 4), torch.randn(6)
+    torch.library.opcheck(torch.ops.rimuru.causal_conv1d_step.default,
+                          (torch.randn(2, 6), conv_view, torch.tensor([0, 2]), weight, bias))  # fmt: skip
+    torch.library.opcheck(torch.ops.rimuru.causal_conv1d_chunk.default,
+                          (torch.randn(5, 6), conv_view, 1, False, weight, None))  # fmt: skip
+
+
+def _linear_layer_step(x, conv_view, ssm_view, ids, weight, q, k, v, g, beta):
+    mixed = torch.ops.rimuru.causal_conv1d_step(x, conv_view, ids, weight, None)
+    return mixed.sum() + torch.ops.rimuru.gated_delta_step(q, k, v, g, beta, ssm_view, ids).sum()
+
+
+def test_compile_fullgraph_traces_the_linear_attention_ops():
+    q, k, v, g, beta, state = _delta_inputs(batch=2, tokens=1)
+    ids = torch.tensor([0, 2])
+    views = lambda: (torch.ones(PAGES, 6, 3), torch.zeros(PAGES, HV, DK, DV))  # noqa: E731
+    args = (torch.randn(2, 6), torch.randn(6, 4), q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0])
+    conv, ssm = views()
+    expected = _linear_layer_step(args[0], conv, ssm, ids, *args[1:])
+    conv2, ssm2 = views()
+    compiled = torch.compile(_linear_layer_step, fullgraph=True, backend="aot_eager")
+    torch.testing.assert_close(compiled(args[0], conv2, ssm2, ids, *args[1:]), expected)
+    torch.testing.assert_close(ssm2, ssm)
+    torch.testing.assert_close(conv2, conv)
