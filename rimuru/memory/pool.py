@@ -48,9 +48,11 @@ class MemoryPool:
         return self.view(s.dtype, s.kv_page_stride, s.kv_page_shape)
 
     def ssm_view(self) -> torch.Tensor:
+        """[P, Hv, Dk, Dv]: one request's recurrent state of one linear-attention layer a page, in its own dtype."""
         s = self.sizes
-        return self.view(s.dtype, s.ssm_page_stride, s.ssm_page_shape)
+        return self.view(s.ssm_dtype or s.dtype, s.ssm_page_stride, s.ssm_page_shape)
 
     def conv_view(self) -> torch.Tensor:
+        """[P, C, W - 1]: one request's conv history of one linear-attention layer a page."""
         s = self.sizes
         return self.view(s.dtype, s.conv_page_stride, s.conv_page_shape)

@@ -34,6 +34,7 @@ class PageSizes:
     conv_page_bytes: int = 0
     conv_page_shape: tuple[int, ...] = ()
     conv_page_stride: int = 0
+    ssm_dtype: torch.dtype | None = None  # the recurrent state's own dtype (a checkpoint's mamba_ssm_dtype); None: dtype
     notes: tuple[str, ...] = field(default=(), compare=False)  # padding decisions, for the start-up log
 
     @property
@@ -97,17 +98,20 @@ def page_sizes(
     dtype: torch.dtype,
     ssm_page_shape: tuple[int, ...] = (),
     conv_page_shape: tuple[int, ...] = (),
+    ssm_dtype: torch.dtype | None = None,
 ) -> PageSizes:
-    """Sizes of every page kind from element shapes; raises ValueError naming the sizes that cannot nest."""
+    """Sizes of every page kind from element shapes (SSM pages in `ssm_dtype` where given); raises ValueError naming
+    the sizes that cannot nest."""
     elem = torch.empty((), dtype=dtype).element_size()
     expert_bytes, kv_bytes = math.prod(expert_page_shape) * elem, math.prod(kv_page_shape) * elem
     if expert_bytes <= 0 or kv_bytes <= 0:
         raise ValueError(f"page sizes must be positive: expert {expert_bytes} B, KV {kv_bytes} B")
     notes: list[str] = []
     kv_stride = _small_stride("KV", kv_bytes, expert_bytes, elem, notes)
-    ssm_bytes = math.prod(ssm_page_shape) * elem if ssm_page_shape else 0
+    ssm_elem = torch.empty((), dtype=ssm_dtype or dtype).element_size()
+    ssm_bytes = math.prod(ssm_page_shape) * ssm_elem if ssm_page_shape else 0
     conv_bytes = math.prod(conv_page_shape) * elem if conv_page_shape else 0
-    ssm_stride = _ssm_stride(ssm_bytes, expert_bytes, elem, notes) if ssm_bytes else 0
+    ssm_stride = _ssm_stride(ssm_bytes, expert_bytes, max(elem, ssm_elem), notes) if ssm_bytes else 0
     conv_stride = _small_stride("conv", conv_bytes, expert_bytes, elem, notes) if conv_bytes else 0
     huge = math.lcm(expert_bytes, ssm_stride) if ssm_stride else expert_bytes
     return PageSizes(
@@ -124,6 +128,7 @@ def page_sizes(
         conv_page_bytes=conv_bytes,
         conv_page_shape=tuple(conv_page_shape),
         conv_page_stride=conv_stride,
+        ssm_dtype=ssm_dtype,
         notes=tuple(notes),
     )
 
