@@ -10,12 +10,13 @@ from dataclasses import dataclass, fields
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe")
+SUPPORTED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "qwen3_next")
+LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "qwen2_moe" | "qwen3_moe" (the config's `model_type`)
+    architecture: str  # "qwen2_moe" | "qwen3_moe" | "qwen3_next" (the config's `model_type`)
     vocab_size: int
     hidden_size: int  # D
     num_hidden_layers: int  # L
@@ -23,7 +24,7 @@ class ModelConfig:
     num_key_value_heads: int  # Hk
     head_dim: int  # Dh
     moe_intermediate_size: int  # F of one routed expert
-    shared_expert_intermediate_size: int  # qwen2_moe's shared expert; 0 for qwen3_moe
+    shared_expert_intermediate_size: int  # the gated shared expert of qwen2_moe and qwen3_next; 0 for qwen3_moe
     intermediate_size: int  # dense MLP of `mlp_only_layers`
     num_experts: int  # E
     num_experts_per_tok: int  # K
@@ -40,6 +41,14 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: torch.dtype
     initializer_range: float = 0.02
+    # hybrid models (qwen3_next): each layer's token mixer, and the Gated DeltaNet geometry of the linear ones
+    layer_types: tuple[str, ...] = ()  # LINEAR_ATTENTION | FULL_ATTENTION a layer; empty: every layer full
+    linear_num_key_heads: int = 0
+    linear_num_value_heads: int = 0
+    linear_key_head_dim: int = 0
+    linear_value_head_dim: int = 0
+    linear_conv_kernel_dim: int = 0
+    partial_rotary_factor: float = 1.0  # the share of each head's dims that RoPE rotates
 
     @classmethod
     def from_hf(cls, source: dict | str | os.PathLike) -> "ModelConfig":
@@ -49,6 +58,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}: Rimuru serves {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = raw["num_attention_heads"]
+        gated_shared_expert = arch in ("qwen2_moe", "qwen3_next")
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -58,7 +68,7 @@ class ModelConfig:
             num_key_value_heads=raw.get("num_key_value_heads") or heads,
             head_dim=raw.get("head_dim") or raw["hidden_size"] // heads,
             moe_intermediate_size=raw["moe_intermediate_size"],
-            shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) if arch == "qwen2_moe" else 0,
+            shared_expert_intermediate_size=raw.get("shared_expert_intermediate_size", 0) if gated_shared_expert else 0,
             intermediate_size=raw.get("intermediate_size", 0),
             num_experts=_first(raw, "num_experts", "num_local_experts"),
             num_experts_per_tok=raw["num_experts_per_tok"],
@@ -69,12 +79,13 @@ class ModelConfig:
             decoder_sparse_step=raw.get("decoder_sparse_step", 1) or 1,
             mlp_only_layers=tuple(raw.get("mlp_only_layers") or ()),
             qkv_bias=bool(raw.get("qkv_bias", True)) if arch == "qwen2_moe" else bool(raw.get("attention_bias", False)),
-            o_proj_bias=arch == "qwen3_moe" and bool(raw.get("attention_bias", False)),
+            o_proj_bias=arch != "qwen2_moe" and bool(raw.get("attention_bias", False)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             eos_token_id=_as_tuple(raw.get("eos_token_id")),
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=_dtype(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             initializer_range=raw.get("initializer_range", 0.02),
+            **(_hybrid_fields(raw) if arch == "qwen3_next" else {}),
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -89,9 +100,35 @@ class ModelConfig:
     def moe_layer_ids(self) -> list[int]:
         return [i for i in range(self.num_hidden_layers) if self.is_moe_layer(i)]
 
+    @property
+    def linear_layer_ids(self) -> list[int]:
+        """The Gated DeltaNet layers of a hybrid model, whose per-request state lives in SSM and conv pages."""
+        return [i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION]
+
     def replace(self, **changes) -> "ModelConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return ModelConfig(**(values | changes))
+
+
+def _hybrid_fields(raw: dict) -> dict:
+    """A hybrid config's layer kinds (`layer_types`, or every `full_attention_interval`-th layer full) and its
+    linear-attention geometry."""
+    layers, interval = raw["num_hidden_layers"], raw.get("full_attention_interval", 4)
+    types = raw.get("layer_types") or [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
+                                       for i in range(layers)]  # fmt: skip
+    unknown = sorted(set(types) - {LINEAR_ATTENTION, FULL_ATTENTION})
+    if unknown:
+        raise ValueError(f"layer_types holds {unknown}: Rimuru runs only {LINEAR_ATTENTION} and {FULL_ATTENTION} layers")
+    rope = raw.get("rope_parameters") or {}
+    return dict(
+        layer_types=tuple(types),
+        linear_num_key_heads=raw["linear_num_key_heads"],
+        linear_num_value_heads=raw["linear_num_value_heads"],
+        linear_key_head_dim=raw["linear_key_head_dim"],
+        linear_value_head_dim=raw["linear_value_head_dim"],
+        linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
+        partial_rotary_factor=float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
+    )
 
 
 def _read_json(source: dict | str | os.PathLike) -> dict:

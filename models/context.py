@@ -32,3 +32,12 @@ class ForwardContext:
     # [T] bool, the padding rows of a CUDA graph's batch: they route like row 0, so they touch no expert a real
     # token does not. None: no padding.
     padding_rows: torch.Tensor | None = None
+    # Hybrid models: the pool seen as SSM pages [P, Hv, Dk, Dv] and conv pages [P, C, W - 1], each linear layer's
+    # state page per request ([L_linear, B], in `ModelConfig.linear_layer_ids` order), and whether a request's
+    # state already holds earlier tokens ([B] bool; False: its first prompt chunk starts from zero). None: no
+    # linear-attention layers.
+    ssm_view: torch.Tensor | None = None
+    conv_view: torch.Tensor | None = None
+    ssm_state_ids: torch.Tensor | None = None
+    conv_state_ids: torch.Tensor | None = None
+    state_continues: torch.Tensor | None = None

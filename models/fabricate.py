@@ -17,12 +17,14 @@ from rimuru.models.qwen_moe import model_class
 from rimuru.models.tiny_tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
+_ARCHITECTURE_CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                         "qwen3_next": "Qwen3NextForCausalLM"}  # fmt: skip
 
 
 def tiny_config(arch: str = "qwen2_moe", num_layers: int = 3, mlp_only_layers: tuple[int, ...] = ()) -> dict:
     """A Hugging Face `config.json` dict for a model of a few hundred kilobytes."""
     cfg = {
-        "architectures": ["Qwen2MoeForCausalLM" if arch == "qwen2_moe" else "Qwen3MoeForCausalLM"],
+        "architectures": [_ARCHITECTURE_CLASSES[arch]],
         "model_type": arch,
         "vocab_size": 512,
         "hidden_size": 64,
@@ -54,6 +56,11 @@ def tiny_config(arch: str = "qwen2_moe", num_layers: int = 3, mlp_only_layers: t
         cfg |= {"shared_expert_intermediate_size": 64, "qkv_bias": True}
     else:
         cfg |= {"attention_bias": False}
+    if arch == "qwen3_next":  # linear, full, linear, ...: a Gated DeltaNet layer on each side of gated attention
+        cfg |= {"shared_expert_intermediate_size": 48, "norm_topk_prob": True, "full_attention_interval": 2,
+                "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
+                "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4,
+                "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}}
     return cfg
 
 

@@ -100,9 +100,13 @@ class QwenMoeForCausalLM(nn.Module):
         if config.architecture != self.architecture:
             raise ValueError(f"{type(self).__name__} cannot run a {config.architecture!r} checkpoint")
         self.config = config
-        self.model = QwenMoeModel(config, self.use_qk_norm)
+        self.model = self.build_model(config)
         self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
         self.tie_weights()
+
+    def build_model(self, config: ModelConfig) -> nn.Module:
+        """The decoder stack: embedding, layers, final norm and rotary tables (a hybrid family builds its own)."""
+        return QwenMoeModel(config, self.use_qk_norm)
 
     def tie_weights(self) -> None:
         """Share the embedding with the LM head when the checkpoint says so (call again after loading)."""
@@ -164,8 +168,8 @@ class Qwen3MoeForCausalLM(QwenMoeForCausalLM):
     architecture = "qwen3_moe"
 
 
-MODEL_CLASSES = {cls.architecture: cls for cls in (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM)}
-
-
 def model_class(config: ModelConfig) -> type[QwenMoeForCausalLM]:
-    return MODEL_CLASSES[config.architecture]
+    from rimuru.models.qwen3_next import Qwen3NextForCausalLM  # it builds on this module's classes
+
+    classes = (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM)
+    return {cls.architecture: cls for cls in classes}[config.architecture]

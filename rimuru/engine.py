@@ -48,6 +48,9 @@ class Engine:
     def __init__(self, config: EngineConfig):
         folder = resolve_folder(config.model)
         model_config = ModelConfig.from_hf(folder)
+        if model_config.linear_layer_ids:
+            raise ValueError(f"{model_config.architecture!r} has linear-attention layers, which the engine does not "
+                             "schedule yet (their state pages are not wired in)")  # fmt: skip
         requested_max_model_len = config.max_model_len
         config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
         page_tokens = fitting_page_tokens(model_config, config.page_tokens)

@@ -38,8 +38,24 @@ class ResidentRunner:
         kv_shape = (num_kv_pages, 2, page_tokens, cfg.num_key_value_heads, cfg.head_dim)
         self.kv_view = torch.full(kv_shape, float("nan"), dtype=dtype, device=self.device)
         self.expert_view, self.expert_page_tables = build_expert_pool(loaded, gen)
+        self._build_state_pages(cfg, dtype, gen)
         self.seq_lens = [0] * max_requests
         self.routing_calls: list[tuple[int, tuple, tuple]] = []
+
+    def _build_state_pages(self, cfg, dtype: torch.dtype, gen: torch.Generator) -> None:
+        """A hybrid model's SSM and conv pages: one of each per (linear layer, request), shuffled, NaN until written."""
+        linear = len(cfg.linear_layer_ids)
+        self.ssm_view = self.conv_view = self.ssm_ids = self.conv_ids = None
+        if not linear:
+            return
+        num_pages = linear * self.max_requests
+        hv, dk, dv = cfg.linear_num_value_heads, cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        channels = 2 * cfg.linear_num_key_heads * dk + hv * dv
+        self.ssm_view = torch.full((num_pages + 1, hv, dk, dv), float("nan"), dtype=torch.float32, device=self.device)
+        self.conv_view = torch.full((num_pages + 1, channels, cfg.linear_conv_kernel_dim - 1), float("nan"),
+                                    dtype=dtype, device=self.device)  # fmt: skip
+        self.ssm_ids = torch.randperm(num_pages, generator=gen).view(linear, self.max_requests)
+        self.conv_ids = torch.randperm(num_pages, generator=gen).view(linear, self.max_requests)
 
     def kv_page(self, layer_idx: int, request: int, i: int) -> int:
         return int(self.kv_perm[(layer_idx * self.max_requests + request) * self.max_pages + i])
@@ -88,7 +104,16 @@ class ResidentRunner:
             expert_view=self.expert_view,
             logits_indices=(torch.arange(len(positions)) if all_logits else ends).to(dev),
             on_routing=self.record_routing,
+            **self._state_fields(requests),
         )
+
+    def _state_fields(self, requests: list[int]) -> dict:
+        if self.ssm_view is None:
+            return {}
+        dev = self.device
+        return dict(ssm_view=self.ssm_view, conv_view=self.conv_view, ssm_state_ids=self.ssm_ids[:, requests].to(dev),
+                    conv_state_ids=self.conv_ids[:, requests].to(dev),
+                    state_continues=torch.tensor([self.seq_lens[r] > 0 for r in requests], device=dev))  # fmt: skip
 
     def record_routing(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         self.routing_calls.append((layer_idx, tuple(hidden.shape), tuple(topk_ids.shape)))

@@ -1,0 +1,197 @@
+"""Qwen3-Next: the hybrid MoE decoder. Three of every four layers mix tokens with Gated DeltaNet (linear attention
+whose per-request state has a fixed size and lives in SSM and conv pages), the fourth with gated full attention
+over KV pages; every layer's MLP is the routed experts plus a sigmoid-gated shared expert (`SparseMoeBlock`).
+
+Numerics follow transformers' Qwen3-Next torch code: zero-centred RMSNorm (x̂ · (1 + w)), per-head q/k norm,
+partial neox RoPE, L2-normalised q and k in the delta rule, gated RMSNorm with SiLU(z). Parameter names match the
+checkpoint's keys. Shape letters: T tokens, B requests, D hidden, Hq/Hk attention heads, Dh head dim, Hv/Hk' linear
+value/key heads, Dv/Dk their dims, C conv channels.
+"""
+
+import torch
+from torch import nn
+
+from rimuru import ops
+from rimuru.models.config import LINEAR_ATTENTION, ModelConfig
+from rimuru.models.context import ForwardContext
+from rimuru.models.layers import MLP, RotaryEmbedding
+from rimuru.models.pieces import Pieces
+from rimuru.models.qwen_moe import QwenMoeForCausalLM, SparseMoeBlock
+
+
+class ZeroCenteredRMSNorm(nn.Module):
+    """RMSNorm whose weight is stored around zero: x̂ · (1 + w), in fp32."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.zeros(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (h * (1.0 + self.weight.float())).type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm of each head's delta-rule output, times SiLU of its gate z."""
+
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:  # [..., size] each
+        h = x.float()
+        h = self.weight * (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)).to(x.dtype)
+        return (h * nn.functional.silu(gate.float())).to(x.dtype)
+
+
+def partial_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:  # x [T, H, Dh]
+    """Neox RoPE over the first `cos.shape[-1]` dims of each head; the rest pass through."""
+    dim = cos.shape[-1]
+    rot, rest = x[..., :dim], x[..., dim:]
+    half = dim // 2
+    rotated = torch.cat((-rot[..., half:], rot[..., :half]), dim=-1)
+    return torch.cat((rot * cos[:, None] + rotated * sin[:, None], rest), dim=-1)
+
+
+class GatedAttention(nn.Module):
+    """GQA over KV pages whose output is gated per element by sigmoid of a second half of q_proj."""
+
+    def __init__(self, config: ModelConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
+        self.head_dim, self.scale = dh, dh**-0.5
+        d, bias = config.hidden_size, config.qkv_bias
+        self.q_proj = nn.Linear(d, self.num_heads * dh * 2, bias=bias)  # per head [query, gate]
+        self.k_proj = nn.Linear(d, self.num_kv_heads * dh, bias=bias)
+        self.v_proj = nn.Linear(d, self.num_kv_heads * dh, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * dh, d, bias=config.o_proj_bias)
+        self.q_norm = ZeroCenteredRMSNorm(dh, config.rms_norm_eps)
+        self.k_norm = ZeroCenteredRMSNorm(dh, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        num_tokens, dh = x.shape[0], self.head_dim
+        q, gate = self.q_proj(x).view(num_tokens, self.num_heads, 2 * dh).chunk(2, dim=-1)  # [T, Hq, Dh] each
+        q = partial_rope(self.q_norm(q), cos, sin)
+        k = partial_rope(self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, dh)), cos, sin)
+        v = self.v_proj(x).view(num_tokens, self.num_kv_heads, dh)
+        i = self.layer_idx
+        ops.write_kv(k.contiguous(), v, ctx.kv_view, ctx.slot_mappings[i])
+        out = ops.paged_attention(q.contiguous(), ctx.kv_view, ctx.kv_page_tables[i], ctx.seq_lens,
+                                  ctx.query_start_loc, self.scale)  # fmt: skip
+        return self.o_proj(out.flatten(1) * torch.sigmoid(gate.reshape(num_tokens, -1)))  # [T, D]
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: projections, causal depthwise conv (SiLU), the gated delta rule, gated RMSNorm, out_proj.
+    `state_idx` is the layer's row in the context's state tables."""
+
+    def __init__(self, config: ModelConfig, state_idx: int):
+        super().__init__()
+        self.state_idx = state_idx
+        self.num_k_heads, self.num_v_heads = config.linear_num_key_heads, config.linear_num_value_heads
+        self.head_k_dim, self.head_v_dim = config.linear_key_head_dim, config.linear_value_head_dim
+        self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
+        conv_dim, width, d = 2 * self.key_dim + self.value_dim, config.linear_conv_kernel_dim, config.hidden_size
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, width, groups=conv_dim, bias=False, padding=width - 1)
+        self.in_proj_qkvz = nn.Linear(d, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(d, 2 * self.num_v_heads, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
+        self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, d, bias=False)
+
+    def _split(self, x: torch.Tensor):
+        """q, k [T, Hk', Dk], v, z [T, Hv, Dv], b, a [T, Hv] from the projections, grouped per key head."""
+        t, hk, group = x.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
+        dk, dv = self.head_k_dim, self.head_v_dim
+        q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split((dk, dk, group * dv, group * dv), dim=-1)
+        b, a = self.in_proj_ba(x).view(t, hk, -1).split((group, group), dim=-1)
+        return q, k, v.reshape(t, -1, dv), z.reshape(t, -1, dv), b.reshape(t, -1), a.reshape(t, -1)
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, D]
+        q, k, v, z, b, a = self._split(x)
+        t = x.shape[0]
+        mixed = self._conv(torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1), ctx)
+        q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
+        q, k = q.reshape(t, self.num_k_heads, -1), k.reshape(t, self.num_k_heads, -1)
+        v = v.reshape(t, self.num_v_heads, -1)
+        beta = b.sigmoid()
+        g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)  # [T, Hv] log decay
+        out = self._delta_rule(q, k, v, g, beta, ctx)  # [T, Hv, Dv]
+        return self.out_proj(self.norm(out, z).reshape(t, -1))
+
+    def _segments(self, ctx: ForwardContext):
+        """Each request's (first token, end, continues): one host read of the batch layout a pass."""
+        starts = ctx.query_start_loc.tolist()
+        continues = ctx.state_continues.tolist()
+        return [(starts[r], starts[r + 1], continues[r]) for r in range(len(starts) - 1)]
+
+    def _all_decodes(self, ctx: ForwardContext, num_tokens: int) -> bool:
+        num_requests = ctx.query_start_loc.shape[0] - 1
+        return num_tokens == num_requests and bool(ctx.state_continues.all())
+
+    def _conv(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, C]
+        weight, ids = self.conv1d.weight.squeeze(1), ctx.conv_state_ids[self.state_idx]
+        if self._all_decodes(ctx, x.shape[0]):
+            return ops.causal_conv1d_step(x, ctx.conv_view, ids, weight, None)
+        return torch.cat([ops.causal_conv1d_chunk(x[s:e], ctx.conv_view, int(ids[r]), c, weight, None)
+                          for r, (s, e, c) in enumerate(self._segments(ctx))])  # fmt: skip
+
+    def _delta_rule(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:
+        ids = ctx.ssm_state_ids[self.state_idx]
+        if self._all_decodes(ctx, q.shape[0]):
+            return ops.gated_delta_step(q, k, v, g, beta, ctx.ssm_view, ids)
+        return torch.cat([ops.gated_delta_chunk(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ctx.ssm_view,
+                                                int(ids[r]), c) for r, (s, e, c) in enumerate(self._segments(ctx))])  # fmt: skip
+
+
+class HybridDecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_idx: int, state_idx: int | None):
+        super().__init__()
+        self.is_linear = state_idx is not None
+        if self.is_linear:
+            self.linear_attn = GatedDeltaNet(config, state_idx)
+        else:
+            self.self_attn = GatedAttention(config, layer_idx)
+        self.is_moe = config.is_moe_layer(layer_idx)
+        dense = not self.is_moe
+        self.mlp = MLP(config.hidden_size, config.intermediate_size) if dense else SparseMoeBlock(config, layer_idx)
+        self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> Pieces:
+        h = self.input_layernorm(x)
+        x = x + (self.linear_attn(h, ctx) if self.is_linear else self.self_attn(h, cos, sin, ctx))  # [T, D]
+        h = self.post_attention_layernorm(x)
+        return x + ((yield from self.mlp.steps(h, ctx)) if self.is_moe else self.mlp(h))  # [T, D]
+
+
+class HybridModel(nn.Module):
+    def __init__(self, config: ModelConfig):
+        super().__init__()
+        linear = config.linear_layer_ids
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            HybridDecoderLayer(config, i, linear.index(i) if config.layer_types[i] == LINEAR_ATTENTION else None)
+            for i in range(config.num_hidden_layers)
+        )
+        self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.rotary_emb = RotaryEmbedding(int(config.head_dim * config.partial_rotary_factor), config.rope_theta)
+
+    def steps(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Pieces:  # input_ids [T] -> [T, D]
+        x = self.embed_tokens(input_ids)  # [T, D]
+        cos, sin = self.rotary_emb(ctx.positions, x.dtype)  # [T, rotary dims]
+        for layer in self.layers:
+            x = yield from layer.steps(x, cos, sin, ctx)
+        return x
+
+
+class Qwen3NextForCausalLM(QwenMoeForCausalLM):
+    architecture = "qwen3_next"
+
+    def build_model(self, config: ModelConfig) -> nn.Module:
+        return HybridModel(config)
