@@ -26,7 +26,7 @@ state collapses onto the same direction after a few layers and all tokens pick t
 vocabulary is cut into R contiguous parts (`regime_rows`), a token of part r carries its sink in dimension r, and
 each MoE layer draws R rankings, one per router column 0..R-1. The LM head gets `REGIME_LOGIT` for the tokens of
 the input's own part, so decoding stays in the part its prompt came from: a stream whose prompts move to another
-part (tools/shift_stream.py) moves every layer's popular experts with them.
+part (tools/engine/shift_stream.py) moves every layer's popular experts with them.
 """
 
 import math

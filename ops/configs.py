@@ -1,6 +1,6 @@
 """Block sizes for the MoE kernels: tuned tables per GPU (`ops/configs/<GPU>.json`), else a heuristic.
 
-Owns the lookup only; `tools/tune_kernels.py` writes the tables. A table is keyed by "E=..,F=..,D=.." and then by
+Owns the lookup only; `tools/kernels/tune.py` writes the tables. A table is keyed by "E=..,F=..,D=.." and then by
 the number of tokens M (the largest tuned M not above the call's M wins).
 """
 

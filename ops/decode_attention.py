@@ -1,7 +1,7 @@
 """Decode-only paged attention (one query a request, T == B) with its variants behind constexpr flags.
 
 Owns one Triton kernel and its launcher, `rimuru.ops.paged_attention`'s path for unsplit decode batches;
-`tools/sweep_decode_attention.py` times the variants against the general kernel, and the winner is the decode
+`tools/kernels/decode_attention.py` times the variants against the general kernel, and the winner is the decode
 config there (H200, 64 requests x 1024 tokens, Qwen3-30B-A3B heads: 48.0 us with all flags but PERSISTENT against
 62.4 us in the general kernel, one run). The reference is `rimuru.ops.reference.paged_attention`.
 

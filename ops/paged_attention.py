@@ -87,7 +87,7 @@ def attention_config(num_tokens: int, num_requests: int, group: int, num_splits:
                      element_size: int = 2) -> dict:  # fmt: skip
     """Decode-only batches (T == B) take one query a program and long K/V tiles (best of a sweep on an H200; half
     as long in fp32, whose 128-token K and V tiles of 128 dims overflow shared memory), split `num_splits` ways or
-    else run in the decode kernel with all its flags on (`DECODE`, the fastest of `tools/sweep_decode_attention.py`);
+    else run in the decode kernel with all its flags on (`DECODE`, the fastest of `tools/kernels/decode_attention.py`);
     prefill chunks take enough rows to fill a tile and are never split."""
     group_pad = triton.next_power_of_2(group)
     if num_tokens <= num_requests:

@@ -10,7 +10,7 @@ in fp32 and writes one row in the input's dtype, so a token's output never depen
 Does not own the GEMMs that write the rows (`rimuru.ops.paged_moe`).
 
 Faster than torch's sum at every shape the MoE op gives it, with 1024 columns and 8 warps a program
-(`tools/bench_kernels.py --breakdown`; the figures are in docs/benchmarks/kernels.md).
+(`tools/kernels/bench.py --breakdown`; the figures are in docs/benchmarks/kernels.md).
 """
 
 import torch

@@ -6,14 +6,14 @@ statistics, concurrency, the engine's expert traffic, the peak reserved GPU memo
 and a per-step time series of the pool split, the queues and where the step's wall time went
 (`Engine.step_phases`). The stream format is one JSON object a line: {"id", "arrival", "prompt_token_ids",
 "max_tokens"}.
+
+Owns the replay and the record behind `rimuru bench`, nothing else: sweeps, tables, plots and the GPU jobs are
+benchmark tooling in tools/ (outside the package), and the commit a record names comes from the environment.
 """
 
-import gzip
-import importlib.util
 import json
 import os
 import statistics
-import subprocess
 import time
 
 import torch
@@ -24,43 +24,15 @@ from rimuru.sampling_params import SamplingParams
 
 
 def source_commit() -> str | None:
-    """The commit a record was made at: $RIMURU_COMMIT (the device session sets it), else the checkout's HEAD, else
-    None (an installed package outside a checkout)."""
-    if os.environ.get("RIMURU_COMMIT"):
-        return os.environ["RIMURU_COMMIT"]
-    try:
-        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=os.path.dirname(__file__),
-                              capture_output=True, text=True, timeout=5, check=False)  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    commit = done.stdout.strip()
-    return commit if done.returncode == 0 and commit else None
+    """The commit a record was made at: $RIMURU_COMMIT (the device session sets it; a tool running from a checkout
+    may set it too), else None. The engine never asks git: an installed package has no checkout to ask."""
+    return os.environ.get("RIMURU_COMMIT") or None
 
 
 def read_stream(path: str, limit: int | None = None) -> list[dict]:
     with open(path) as f:
         requests = [json.loads(line) for line in f if line.strip()]
     return sorted(requests[:limit] if limit else requests, key=lambda r: r["arrival"])
-
-
-def read_records(specs: list[str], label_of=lambda path: path) -> list[tuple[str, dict]]:
-    """`LABEL=RECORD` specs (or bare paths, labelled by `label_of`) -> (label, record), in order. A record may be
-    gzipped (`.json.gz`: docs/benchmarks keeps the long series that way, about 30x smaller)."""
-    records = []
-    for spec in specs:
-        label, _, path = spec.rpartition("=")
-        with (gzip.open if path.endswith(".gz") else open)(path, "rt") as f:
-            records.append((label or label_of(path), json.load(f)))
-    return records
-
-
-def load_version(path: str, name: str):
-    """The module in `path`: another version of one of rimuru's files (`git show REV:rimuru/sampler.py > FILE`),
-    which a tool runs beside this one (`tools/bench_scheduler.py --against`, `tools/bench_sampler.py --against`)."""
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 class _Clock:
@@ -110,7 +82,7 @@ def _submit(engine: Engine, request: dict, clock: _Clock, now: float) -> None:
     clock.arrival[request["id"]] = now
 
 
-# the cost rule's inputs and decision each step: what `tools/plot_bench.py` draws as the rule's view
+# the cost rule's inputs and decision each step: what `tools/reports/plot.py` draws as the rule's view
 SERIES_ESTIMATES = ("cost_affordable_evictions", "cost_calibration", "cost_predicted_copy_ms", "cost_measured_copy_ms",
                     "cost_next_eviction_ms", "cost_compute_ms", "cost_tokens_per_step", "cost_running",
                     "cost_requests_per_expert", "cost_profitable_this_refresh")  # fmt: skip

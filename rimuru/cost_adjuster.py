@@ -20,7 +20,7 @@ Pure functions of measured inputs decide the counts (tested on hand-computed cas
 `CostAdjuster` is the thin stateful part: the live measurements (`CostModel`), online popularity
 (`ExpertPopularity`, which also orders nominations), hysteresis (an evicted expert stays out for
 `readd_after_rounds` rounds; the free-rounds streak) and the estimates the engine exposes in `expert_stats`.
-It never touches pages: like `Adjuster`, it returns a `ChangeList` for the `ExpertManager`.
+It never touches pages: like `Adjuster`, it returns a `ChangeList` for `ExpertChanges`.
 
 With direct reads (`expert_reads="direct"`) a touched host expert is read over the host link by the expert kernel
 instead of copied, and the model's "copy time" is that read time: the measured side is then the reads the manager

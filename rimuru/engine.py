@@ -208,7 +208,7 @@ class Engine:
     @property
     def expert_stats(self) -> dict:
         """Counters of expert traffic plus the pool split now, for metrics and the dashboard."""
-        buffer_pages = sum(len(b.slots) for b in self.expert_manager.buffers) * 3
+        buffer_pages = sum(len(b.slots) for b in self.expert_manager.loader.buffers) * 3
         estimates = {} if self.adjuster is None else self.adjuster.estimates  # the rule's model: why the pool moved
         return self.expert_manager.stats_dict() | self.allocator.stats() | estimates | {
             "buffer_pages": buffer_pages,  # loading buffers, counted in expert_used_pages too

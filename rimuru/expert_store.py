@@ -4,7 +4,7 @@ The master copy of every expert stays in host memory (`ExpertWeights`, pinned on
 back: evicting an expert only frees its three pages. `page_tables[l, e]` holds the (gate, up, down) page ids of a
 resident expert, or -1 when it is on the host, on the pool's device; `host_tables` is its copy in host memory,
 which the routing hook reads without waiting for the device. Mutated only by the engine thread, between and inside
-steps as the `ExpertManager` orders.
+steps as `ExpertChanges` and `ExpertLoader` order.
 """
 
 import torch

@@ -4,9 +4,9 @@ Counts decay exponentially (`half_life_steps`) so the order follows a shifting w
 ranking (`rimuru profile`) weighted as `prior_routings` routings a layer, so the first steps are not blind. It reads
 like an `ExpertRanking` (`share`, `hottest_first`), so the adjusters order evictions and growth by it.
 
-Counting never adds a host sync: `record_all` adds a pass's [L, E] routed counts (the expert manager counts a
-pass's top-k ids in one scatter-add after it, not `torch.bincount`, which reads the largest id back to size its
-output; `record` counts one layer's ids), and `flush` pulls the whole [L, E] tensor to the host every few steps,
+Counting never adds a host sync: `record_all` adds a pass's [L, E] routed counts (the `RoutingCounter` counts a
+pass's top-k ids in one scatter-add, not `torch.bincount`, which reads the largest id back to size its output;
+`record` counts one layer's ids), and `flush` pulls the whole [L, E] tensor to the host every few steps,
 after a forward pass has synchronised anyway (the sampler reads the tokens). It does not own the routing hook.
 """
 

@@ -1,7 +1,7 @@
 """`profile_experts`: run sample requests and measure each MoE layer's share of routing probability per expert.
 
 The share of expert e in layer l is the mean over routed tokens of softmax(router logits)[e]; the result is the
-`ExpertRanking` the engine uses to keep hot experts resident. An observer of the expert manager recomputes each
+`ExpertRanking` the engine uses to keep hot experts resident. An observer of the routing counter recomputes each
 router's probabilities from its input at every routing, so profiling needs nothing from the engine but a run of
 eager passes (CUDA graphs keep the routers' inputs only for copied experts).
 """
@@ -25,7 +25,7 @@ def profile_experts(engine: Engine, prompts: list, max_tokens: int = 16) -> Expe
         logits = hidden.float() @ routers[layer].float().T  # [T, E]
         totals[layer].add_(logits.softmax(dim=-1).sum(dim=0).double().cpu())
 
-    observers = engine.expert_manager.observers
+    observers = engine.expert_manager.counter.observers
     observers.append(observe)
     try:
         params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)

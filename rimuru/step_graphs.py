@@ -84,8 +84,9 @@ def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_
         return None
     sizes = graph_batch_sizes(max_num_seqs)
     mixed = mixed_token_sizes(mixed_tokens)
-    count_pass = experts.count_pass if experts.counts_routing else None  # the routing counted inside the graphs
-    graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.working_tables, kv_tables,
+    counter = experts.counter
+    count_pass = counter.count_pass if counter.counts_routing else None  # the routing counted inside the graphs
+    graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.loader.working_tables, kv_tables,
                         scratch_page, sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
                         mixed_sizes=mixed, count_pass=count_pass,
                         keep_router_inputs=not experts.direct)  # fmt: skip
@@ -115,13 +116,14 @@ class StepGraphs:
     def __init__(self, model: QwenMoeForCausalLM, kv_view: torch.Tensor, expert_view: torch.Tensor,
                  expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
                  capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = (),
-                 count_pass: Callable[[torch.Tensor, torch.Tensor], None] | None = None,
+                 count_pass: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
                  keep_router_inputs: bool = True):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
         # the routing hook's router inputs, kept for each MoE layer ([MoE layers, tokens, D]): only a hook that
         # predicts (expert_reads="copy") or observes reads them; without one their buffer would only cost KV pages
         self.keep_router_inputs = keep_router_inputs
-        # the pass's routing counted inside its last graph ([L, T, K] ids, [T] real rows: `ExpertManager.count_pass`)
+        # the pass's routing counted inside its last graph ([L, T, K] ids, [T] real rows, the tables the pass read:
+        # `RoutingCounter.count_pass`)
         self.count_pass = count_pass
         self.host_experts = host_experts  # pinned: fixed addresses the graphs may read (expert_reads="direct")
         self.batch_sizes, self.capture = sorted(batch_sizes), capture
@@ -202,7 +204,7 @@ class StepGraphs:
                 point = None
                 self.logits[: shape.sampled].copy_(done.value)
                 if self.count_pass is not None:
-                    self.count_pass(self.point_ids[:, : shape.tokens], self._real_rows(shape))
+                    self.count_pass(self.point_ids[:, : shape.tokens], self._real_rows(shape), self.expert_tables)
             finally:
                 graph.capture_end()
             graphs.append(graph)
@@ -254,7 +256,7 @@ class StepGraphs:
             return hook(layer_idx, hidden, topk_ids) if hook is not None else None
 
         logits = run_pieces(self._pieces(shape), keeping)
-        self.count_pass(torch.stack(routed), self._real_rows(shape))
+        self.count_pass(torch.stack(routed), self._real_rows(shape), self.expert_tables)
         return logits
 
     def _real_rows(self, shape: Shape) -> torch.Tensor:

@@ -13,14 +13,11 @@ from rimuru.benchmark import SERIES_ESTIMATES, source_commit
 from rimuru.serving.cli import main
 from tests.engine.conftest import expect_no_growth
 from tests.engine.test_experts import budget_for
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import bench_adjuster  # noqa: E402
-import bench_sweep  # noqa: E402
-import bench_table  # noqa: E402
-import plot_bench  # noqa: E402
-import shift_stream  # noqa: E402
-import simulate_queue  # noqa: E402
+from tools.engine import adjuster as bench_adjuster
+from tools.engine import shift_stream, simulate_queue
+from tools.engine import sweep as bench_sweep
+from tools.reports import plot as plot_bench
+from tools.reports import table as bench_table
 
 
 def write_stream(path: Path, num: int, vocab_size: int) -> list[dict]:
@@ -137,7 +134,9 @@ def test_a_time_limit_records_the_part_that_ran_and_frees_the_rest(family, tmp_p
 def test_sweep_repeats_the_list_in_turn_and_reports_the_spread(family, tmp_path, monkeypatch, capsys):
     import rimuru.engine
 
-    monkeypatch.setattr(rimuru.engine, "from_pretrained", rimuru.engine.from_pretrained)  # the sweep caches it
+    # the sweep caches the load and checks host memory on the first one only: both restored after
+    monkeypatch.setattr(rimuru.engine, "from_pretrained", rimuru.engine.from_pretrained)
+    monkeypatch.setattr(rimuru.engine, "check_host_memory", rimuru.engine.check_host_memory)
     write_stream(tmp_path / "stream.jsonl", 6, 512)
     out = tmp_path / "sweep"
     common = f"--stream {tmp_path / 'stream.jsonl'} --rate 0 --quiet --warmup 0"
@@ -168,8 +167,8 @@ def test_shift_stream_moves_the_second_half_of_the_arrivals_to_the_other_part(tm
 
 
 def test_profile_step_prints_the_hooks_share_of_an_offloaded_step(family, tmp_path, monkeypatch, capsys):
-    """`tools/profile_step.py` as the device session runs it, on the CPU: fixed offloading, graphs' padded path."""
-    import profile_step
+    """`tools/engine/profile_step.py` as the device session runs it, on the CPU: fixed offloading, graphs' padded path."""
+    from tools.engine import profile_step
 
     write_stream(tmp_path / "stream.jsonl", 8, 512)
     argv = ["profile_step.py", family[0], "--stream", str(tmp_path / "stream.jsonl"), "--steps", "2",
@@ -182,9 +181,9 @@ def test_profile_step_prints_the_hooks_share_of_an_offloaded_step(family, tmp_pa
 
 
 def test_measure_memory_runs_every_phase_and_reports_the_plan(family, tmp_path, monkeypatch, capsys):
-    """`tools/measure_memory.py` on the CPU: the three phases run on the tiny model (no CUDA statistics here, so
+    """`tools/engine/memory.py` on the CPU: the three phases run on the tiny model (no CUDA statistics here, so
     the peaks are None) and the record carries the plan the engine made."""
-    import measure_memory
+    from tools.engine import memory as measure_memory
 
     out = tmp_path / "memory.json"
     argv = ["measure_memory.py", family[0], "--max-num-batched-tokens", "64", "--max-num-seqs", "8", "--device", "cpu",
@@ -198,20 +197,21 @@ def test_measure_memory_runs_every_phase_and_reports_the_plan(family, tmp_path, 
 
 
 def test_records_name_their_commit(monkeypatch):
-    """A bench record carries the commit: the device session's $RIMURU_COMMIT, else this checkout's HEAD."""
+    """A bench record carries the commit the environment names ($RIMURU_COMMIT: the device session sets it), else
+    none: the engine never runs git."""
     import subprocess
 
     monkeypatch.setenv("RIMURU_COMMIT", "abc1234")
     assert source_commit() == "abc1234"
     monkeypatch.delenv("RIMURU_COMMIT")
-    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    assert source_commit() == (head or None)
+    monkeypatch.setattr(subprocess, "run", lambda *a, **k: pytest.fail("the engine ran a subprocess"))
+    assert source_commit() is None
 
 
 def test_bench_hook_times_every_layer_and_counts_operations(family, tmp_path, monkeypatch, capsys):
-    """`tools/bench_hook.py` on the CPU: the routing hook called on every MoE layer of the tiny model with experts
+    """`tools/engine/hook.py` on the CPU: the routing hook called on every MoE layer of the tiny model with experts
     on the host, a row a batch size with its operation count."""
-    import bench_hook
+    from tools.engine import hook as bench_hook
 
     out = tmp_path / "hook.json"
     argv = ["bench_hook.py", family[0], "--device", "cpu", "--expert-policy", "fixed", "--offload-per-layer", "2",
@@ -225,7 +225,7 @@ def test_bench_hook_times_every_layer_and_counts_operations(family, tmp_path, mo
 
 
 def test_the_adjuster_benchmark_times_both_rules_on_a_placement_that_refreshes(capsys, monkeypatch):
-    """`tools/bench_adjuster.py`: both rules run their rounds (the cost rule's refreshes and swap tests among them)
+    """`tools/engine/adjuster.py`: both rules run their rounds (the cost rule's refreshes and swap tests among them)
     and the placement stays as given: nothing is short or free, so nothing moves."""
     monkeypatch.setattr(sys, "argv", ["bench_adjuster.py", "--layers", "3", "--experts", "8", "--offloaded", "2",
                                       "--limit", "4", "--rounds", "40"])  # fmt: skip
@@ -241,7 +241,7 @@ def test_the_adjuster_benchmark_times_both_rules_on_a_placement_that_refreshes(c
 
 
 def test_the_queue_simulation_serves_every_request_and_a_full_reserve_never_preempts(tmp_path, monkeypatch):
-    """`tools/simulate_queue.py` runs the engine's scheduler to the end: every request gets its first token, the
+    """`tools/engine/simulate_queue.py` runs the engine's scheduler to the end: every request gets its first token, the
     throughput counts every output token, a capacity too small for the burst preempts, and admission that reserves
     each running request's whole remaining output (`--reserve 1`) never has to."""
     stream = [dict(r, arrival=0.0) for r in write_stream(tmp_path / "s.jsonl", 40, 500)]
@@ -258,9 +258,9 @@ def test_the_queue_simulation_serves_every_request_and_a_full_reserve_never_pree
 
 
 def test_the_wide_tile_space_adds_larger_tiles_at_large_m_only():
-    """`tools/tune_kernels.py --wide`: at large M the space also holds BLOCK_K 128, BLOCK_N 256 and 5 stages (over
+    """`tools/kernels/tune.py --wide`: at large M the space also holds BLOCK_K 128, BLOCK_N 256 and 5 stages (over
     BLOCK_M 128 and two program orders); decode's space is the same either way."""
-    import tune_kernels
+    from tools.kernels import tune as tune_kernels
 
     block_ms, tiles = tune_kernels.search_space(64, wide=True)
     assert block_ms == [128] and len(tiles) == 72

@@ -362,7 +362,7 @@ def test_with_direct_reads_the_measured_cost_is_the_reads_counted(family):
 def test_online_popularity_counts_every_routing_the_hook_sees(family, reads, cuda_graphs):
     """Under the cost rule the routing hook adds its routed counts to the online popularity (copies, with experts
     on the host), the counting hook does (direct reads, or nothing on the host), or the step graphs' pass counts
-    itself (`ExpertManager.count_pass`, padding rows left out): either way every routing is counted once, as an
+    itself (`RoutingCounter.count_pass`, padding rows left out): either way every routing is counted once, as an
     observer sees it."""
     folder, prompts, expected = family
     seen, flushed = {}, []
@@ -376,7 +376,7 @@ def test_online_popularity_counts_every_routing_the_hook_sees(family, reads, cud
             flush(num_steps)
 
         popularity.flush = counting_flush
-        engine.expert_manager.observers.append(
+        engine.expert_manager.counter.observers.append(
             lambda layer, hidden, ids: seen.__setitem__(layer, seen.get(layer, 0) + torch.bincount(ids.flatten(),
                                                          minlength=popularity.num_experts)))  # fmt: skip
         prepare.popularity = popularity
@@ -572,13 +572,14 @@ def test_routing_kept_for_counting_stays_bounded_without_end_step(family):
     ids are counted every few passes, none lost, none kept without end."""
     folder = family[0]
     manager = LLM(folder, progress=False, adjuster="cost").engine.expert_manager
-    popularity, layers = manager.popularity, manager.moe_layers
+    counter = manager.counter
+    popularity, layers = counter.popularity, counter.moe_layers
     ids = torch.tensor([[0, 1], [1, 2]])
     before = popularity.pending.clone()
     for _ in range(10):
         for layer in layers:
-            manager.count_routing(layer, torch.zeros(2, 4), ids)
-    assert len(manager._pass_ids) <= 4 * len(layers)
+            counter.see(layer, torch.zeros(2, 4), ids)
+    assert len(counter._pass_ids) <= 4 * len(layers)
     manager.end_step()
     added = popularity.pending - before  # [L, E]: each pass counted experts 0 and 2 once and expert 1 twice
     assert added[:, :3].tolist() == [[10, 20, 10]] * len(layers) and added[:, 3:].sum() == 0

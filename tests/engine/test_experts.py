@@ -142,14 +142,14 @@ def test_direct_reads_change_speed_never_tokens(family, cuda_graphs, monkeypatch
 
 @pytest.mark.parametrize("cuda_graphs", [False, True])
 def test_direct_reads_count_each_routed_host_expert_once_a_layer_pass(family, cuda_graphs):
-    """The reads counted after each pass (`ExpertManager._count_kept_ids`, all layers at once) are what an observer sees
+    """The reads counted after each pass (`RoutingCounter.count_kept`, all layers at once) are what an observer sees
     during it: for every layer, the routed experts that were on the host then."""
     folder, prompts, expected = family
     seen = []
 
     def prepare(engine):
         store = engine.experts
-        engine.expert_manager.observers.append(
+        engine.expert_manager.counter.observers.append(
             lambda layer, hidden, ids: seen.append(len(set(ids.flatten().tolist()) & store.offloaded[layer])))
 
     budget = budget_for(folder, kv_tokens=60, offload=3)
@@ -214,9 +214,9 @@ def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adju
         engine.adjuster.refresh_every = 1  # a swap is weighed after each flush: every round, not one in 8 of ~20
         engine.adjuster.thresholds = replace(engine.adjuster.thresholds, grow_after_rounds=2, readd_after_rounds=4,
                                              swap_margin=0.5, swap_min_touch_gain=-1.0)  # fmt: skip
-    store, manager, allocator = engine.experts, engine.expert_manager, engine.allocator
-    copier = store.copier = manager.copier = DeferredCopier(store.expert_view)
-    publish, on_routing = store.publish, manager.on_routing
+    store, loader, allocator = engine.experts, engine.expert_manager.loader, engine.allocator
+    copier = store.copier = loader.copier = loader.changes.copier = DeferredCopier(store.expert_view)
+    publish, on_routing = store.publish, loader.on_routing
     checked = []
 
     def checked_publish(layer, expert, page_ids):
@@ -226,7 +226,7 @@ def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adju
     def checked_routing(layer, hidden, topk_ids):
         prefetch = on_routing(layer, hidden, topk_ids)
         for expert in topk_ids.unique().tolist():
-            pages = manager.working_tables[layer, expert].tolist()
+            pages = loader.working_tables[layer, expert].tolist()
             for page, matrix in zip(pages, store.host[layer].matrices(expert)):
                 assert allocator.holder(page, EXPERT) is not None, f"layer {layer} reads page {page}: free or KV"
                 assert page not in copier.pending_pages, f"layer {layer} reads page {page} before its copy"
@@ -234,11 +234,11 @@ def test_tables_never_point_at_unfinished_copies_or_reclaimed_pages(family, adju
         in_buffers = sorted(set(topk_ids.unique().tolist()) & store.offloaded[layer])
         same = torch.ones(store.num_experts, dtype=torch.bool)
         same[in_buffers] = False  # every other entry of the working row is the store's, never a stale copy
-        assert torch.equal(manager.working_tables[layer][same], store.page_tables[layer][same]), f"layer {layer} stale"
+        assert torch.equal(loader.working_tables[layer][same], store.page_tables[layer][same]), f"layer {layer} stale"
         checked.append(layer)
         return prefetch
 
-    store.publish, manager.on_routing = checked_publish, checked_routing
+    store.publish, loader.on_routing = checked_publish, checked_routing
     outputs = llm.generate(prompts, GREEDY, use_tqdm=False)
     assert [o.outputs[0].token_ids for o in outputs] == expected
     assert checked and engine.expert_stats["evictions"] > 0 and engine.expert_stats["additions"] > 0

@@ -92,15 +92,14 @@ def test_logprobs_of_the_asking_rows_are_their_log_softmax():
 
 
 def test_the_sampler_benchmark_runs_both_versions(capsys, monkeypatch):
-    """`tools/bench_sampler.py` against a second copy of this sampler: both time their steps and count operations,
+    """`tools/engine/sampler.py` against a second copy of this sampler: both time their steps and count operations,
     the batched one a few dozen whatever the rows."""
     import json
     import sys
     from pathlib import Path
 
     root = Path(__file__).resolve().parents[2]
-    sys.path.insert(0, str(root / "tools"))
-    import bench_sampler
+    from tools.engine import sampler as bench_sampler
 
     monkeypatch.setattr(sys, "argv", ["bench_sampler.py", "--rows", "6", "--vocab", "64", "--steps", "2",
                                       "--device", "cpu", "--against", str(root / "rimuru" / "sampler.py")])  # fmt: skip

@@ -25,8 +25,8 @@ def test_graph_batch_sizes_follow_vllms_and_end_at_the_limit():
 
 def record_hook_rows(engine) -> list[tuple[int, int]]:
     """(rows the hook saw, requests in the step) for every routing of every graph step."""
-    seen, manager, runner = [], engine.expert_manager, engine.runner
-    hook, run_graph = manager.on_routing, runner.graphs.run
+    seen, loader, runner = [], engine.expert_manager.loader, engine.runner
+    hook, run_graph = loader.on_routing, runner.graphs.run
 
     def on_routing(layer, hidden, topk_ids):
         if current[0] is not None:  # eager (prefill) passes call the hook too
@@ -42,7 +42,7 @@ def record_hook_rows(engine) -> list[tuple[int, int]]:
             current[0] = None
 
     current = [None]
-    manager.on_routing, runner.graphs.run = on_routing, run
+    loader.on_routing, runner.graphs.run = on_routing, run
     return seen
 
 
@@ -299,7 +299,7 @@ def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy, reads
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 def test_captured_graphs_count_the_routing_an_observer_sees_on_gpu(family):
-    """The routing each captured pass counts in its last graph (`ExpertManager.count_pass`: the cost rule's
+    """The routing each captured pass counts in its last graph (`RoutingCounter.count_pass`: the cost rule's
     popularity, the host experts read in place) is what an observer sees between the replays: padding rows count
     nothing, and an expert is read once a layer a pass."""
     folder, prompts, _ = family
@@ -319,7 +319,7 @@ def test_captured_graphs_count_the_routing_an_observer_sees_on_gpu(family):
             flush(num_steps)
 
         popularity.flush = counting_flush
-        engine.expert_manager.observers.append(observe)
+        engine.expert_manager.counter.observers.append(observe)
 
     engine, _ = run(folder, prompts, prepare, device="cuda", dtype=torch.float32, gpu_memory_budget=budget,
                     expert_offload_limit=3, adjuster="cost", expert_reads="direct", cuda_graphs=True,

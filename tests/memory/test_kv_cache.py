@@ -44,14 +44,13 @@ def test_the_device_copy_lags_until_a_sync_then_equals_the_host_tables():
 
 
 def test_the_scheduler_benchmark_runs_rounds_and_keeps_the_copy_equal(capsys, monkeypatch):
-    """`tools/bench_scheduler.py` on the CPU (against a second copy of this version): its rounds schedule every
+    """`tools/engine/scheduler.py` on the CPU (against a second copy of this version): its rounds schedule every
     running request, and the device copy it syncs each round ends equal to the host tables."""
     import json
     import sys
     from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-    import bench_scheduler
+    from tools.engine import scheduler as bench_scheduler
 
     package = Path(__file__).resolve().parents[2] / "rimuru"
     monkeypatch.setattr(sys, "argv", ["bench_scheduler.py", "--running", "8", "--rounds", "20", "--device", "cpu",

@@ -25,11 +25,11 @@ def test_kernels_under_triton_interpreter():
 
 
 def test_direct_reads_benchmark_runs_and_matches_resident(tmp_path):
-    """`tools/bench_direct_reads.py --smoke`: the benchmark behind the direct-read figures cannot rot, and host reads
+    """`tools/kernels/direct_reads.py --smoke`: the benchmark behind the direct-read figures cannot rot, and host reads
     give the resident op's output at every point it times."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "direct.json"
-    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_direct_reads.py"), "--smoke", "--out", str(out)]
+    cmd = [sys.executable, "-m", "tools.kernels.direct_reads", "--smoke", "--out", str(out)]
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
@@ -37,11 +37,11 @@ def test_direct_reads_benchmark_runs_and_matches_resident(tmp_path):
 
 
 def test_kernel_sweep_times_the_points_in_the_order_given(tmp_path):
-    """`tools/bench_kernels.py --smoke --skip-attention --m 8 1`: large M first (the `anchors` job), each row
+    """`tools/kernels/bench.py --smoke --skip-attention --m 8 1`: large M first (the `anchors` job), each row
     stamped with its start so a clock log can be matched, and the paged GEMMs equal the identity-table ones."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "kernels.json"
-    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_kernels.py"), "--smoke", "--skip-attention",
+    cmd = [sys.executable, "-m", "tools.kernels.bench", "--smoke", "--skip-attention",
            "--m", "8", "1", "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -53,10 +53,10 @@ def test_kernel_sweep_times_the_points_in_the_order_given(tmp_path):
 
 
 def test_launch_benchmark_runs(tmp_path):
-    """`tools/bench_launch.py --smoke`: the host time of the GEMMs and of the op, for every config variant."""
+    """`tools/kernels/launch.py --smoke`: the host time of the GEMMs and of the op, for every config variant."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "launch.json"
-    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_launch.py"), "--smoke", "--m", "1", "--out", str(out)]
+    cmd = [sys.executable, "-m", "tools.kernels.launch", "--smoke", "--m", "1", "--out", str(out)]
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     rows = json.loads(out.read_text())["rows"]
@@ -66,10 +66,10 @@ def test_launch_benchmark_runs(tmp_path):
 
 
 def test_moe_breakdown_runs(tmp_path):
-    """`tools/bench_kernels.py --breakdown --smoke`: every piece is timed and the Triton top-k sum equals torch's."""
+    """`tools/kernels/bench.py --breakdown --smoke`: every piece is timed and the Triton top-k sum equals torch's."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "breakdown.json"
-    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "bench_kernels.py"), "--breakdown", "--smoke", "--out",
+    cmd = [sys.executable, "-m", "tools.kernels.bench", "--breakdown", "--smoke", "--out",
            str(out)]
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -83,11 +83,11 @@ def test_moe_breakdown_runs(tmp_path):
 
 
 def test_tuner_runs(tmp_path):
-    """`tools/tune_kernels.py --smoke`: a decode bucket and a large one (whose space holds GROUP_M) are tuned and
+    """`tools/kernels/tune.py --smoke`: a decode bucket and a large one (whose space holds GROUP_M) are tuned and
     stored."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "table.json"
-    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "tune_kernels.py"), "--smoke", "--m", "1", "200",
+    cmd = [sys.executable, "-m", "tools.kernels.tune", "--smoke", "--m", "1", "200",
            "--out", str(out)]  # fmt: skip
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
@@ -96,10 +96,10 @@ def test_tuner_runs(tmp_path):
 
 
 def test_decode_attention_sweep_runs(tmp_path):
-    """`tools/sweep_decode_attention.py --smoke`: every stage runs and every variant matches the reference."""
+    """`tools/kernels/decode_attention.py --smoke`: every stage runs and every variant matches the reference."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     out = tmp_path / "sweep.json"
-    cmd = [sys.executable, str(HERE.parents[1] / "tools" / "sweep_decode_attention.py"), "--smoke", "--out", str(out)]
+    cmd = [sys.executable, "-m", "tools.kernels.decode_attention", "--smoke", "--out", str(out)]
     done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-4000:]
     report = json.loads(out.read_text())
@@ -108,10 +108,9 @@ def test_decode_attention_sweep_runs(tmp_path):
 
 
 def test_the_sorts_kernels_compile_for_the_h200_without_spilling():
-    """`tools/kernel_resources.py`: the sort's kernels at the tiles the op takes (64 pairs for 128 experts, 128 for
+    """`tools/kernels/resources.py`: the sort's kernels at the tiles the op takes (64 pairs for 128 experts, 128 for
     60) compile for sm_90 on this CPU machine, and none spills (no stack frame, no local memory)."""
-    tool = HERE.parents[1] / "tools" / "kernel_resources.py"
-    cmd = [sys.executable, str(tool), "--experts", "60", "128", "--tiles", "64", "128"]
+    cmd = [sys.executable, "-m", "tools.kernels.resources", "--experts", "60", "128", "--tiles", "64", "128"]
     done = subprocess.run(cmd, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600,
                           env={**os.environ, "TRITON_DEFAULT_FP_FUSION": "1"})  # fmt: skip
     assert done.returncode == 0, done.stderr[-4000:]

@@ -1,6 +1,6 @@
 """The adjusters' host time a scheduling round, on the CPU, for a placement like the paper scenario's mid-run.
 
-    python tools/bench_adjuster.py [--layers 24] [--experts 60] [--offloaded 6] [--waiting 100] [--rounds 2000]
+    python -m tools.engine.adjuster [--layers 24] [--experts 60] [--offloaded 6] [--waiting 100] [--rounds 2000]
 
 Each round is what `Engine.step` asks of the adjuster, with nothing short and nothing free: the paper rule's
 `adjust`, and the cost rule's `adjust` then `observe` (a popularity flush and the swap test every `refresh_every`

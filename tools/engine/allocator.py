@@ -6,7 +6,7 @@ their pages and new requests are admitted with their whole prompt; every fifth r
 another added (the adjuster's traffic). Prints JSON: median, mean and p99 microseconds per round, and one
 `stats()` call's microseconds at the end (metrics and `rimuru bench` read it every step).
 
-    python tools/bench_allocator.py [--rounds 20000] [--seed 0]
+    python -m tools.engine.allocator [--rounds 20000] [--seed 0]
 """
 
 import argparse

@@ -1,6 +1,6 @@
-"""The routing hook's host cost a layer: `ExpertManager.on_routing` and its prefetch, alone, on a built engine.
+"""The routing hook's host cost a layer: `ExpertLoader.on_routing` and its prefetch, alone, on a built engine.
 
-    python tools/bench_hook.py MODEL_DIR --load-format dummy --router-skew 1.0 --expert-policy fixed \
+    python -m tools.engine.hook MODEL_DIR --load-format dummy --router-skew 1.0 --expert-policy fixed \
         --offload-per-layer 56 --gpu-memory-budget 40GiB --tokens 1 8 64
 
 On the H200 the hook is most of an offloading step's host time (Qwen3-30B-A3B at 40 GiB: 16 of 23-24 ms a step,
@@ -55,7 +55,7 @@ def run_layer(manager, layer: int, hidden: torch.Tensor, ids: torch.Tensor) -> t
 
 
 def measure(engine: Engine, ranking: ExpertRanking, tokens: int, steps: int, seed: int) -> dict:
-    manager, layers = engine.expert_manager, engine.model_config.moe_layer_ids
+    manager, layers = engine.expert_manager.loader, engine.model_config.moe_layer_ids
     generator = torch.Generator().manual_seed(seed)
     shares = {layer: torch.tensor(ranking.shares[layer]) for layer in layers}
     top_k = engine.model_config.num_experts_per_tok

@@ -1,6 +1,6 @@
 """The activation reserve against what the engine really takes: one engine, three phases, peak GPU memory of each.
 
-    python tools/measure_memory.py MODEL_DIR --load-format dummy --gpu-memory-budget 30GiB \
+    python -m tools.engine.memory MODEL_DIR --load-format dummy --gpu-memory-budget 30GiB \
         --max-num-batched-tokens 2048 --expert-policy resident --out memory.json
 
 `rimuru.memory_plan` reserves, outside the page pool, an estimate of one forward pass of max_num_batched_tokens

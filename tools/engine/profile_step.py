@@ -4,8 +4,8 @@ Runs `--num-requests` requests of a JSONL stream into decode, then profiles `--s
 the most self CPU time and the most CUDA time, and the host time of each part of the step (schedule, prepare,
 forward, sample). Writes a Chrome trace when `--trace` is given.
 
-    python tools/profile_step.py MODEL_DIR --stream stream.jsonl --load-format dummy --num-requests 200
-    python tools/profile_step.py MODEL_DIR --stream stream.jsonl --load-format dummy --num-requests 64 \
+    python -m tools.engine.profile_step MODEL_DIR --stream stream.jsonl --load-format dummy --num-requests 200
+    python -m tools.engine.profile_step MODEL_DIR --stream stream.jsonl --load-format dummy --num-requests 64 \
         --gpu-memory-budget 30GiB --expert-policy fixed --offload-per-layer 8     # the hook's share of a step
 """
 

@@ -1,7 +1,7 @@
 """Time the sampler on a step of sampled (non-greedy, unseeded) requests, and count the torch operations it runs
 (on a GPU each is a kernel launch from the host).
 
-    python tools/bench_sampler.py [--rows 140] [--vocab 151936] [--device cuda] [--against OLD_SAMPLER_PY]
+    python -m tools.engine.sampler [--rows 140] [--vocab 151936] [--device cuda] [--against OLD_SAMPLER_PY]
 
 Each row asks temperature 0.8, top-p 0.95 and every fourth top-k 50 (what API clients send). `--against` runs an
 older rimuru/sampler.py's `Sampler` on the same logits, alternated with this one. Prints JSON: median ms a step and
@@ -17,9 +17,9 @@ from types import SimpleNamespace
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from rimuru.benchmark import load_version
 from rimuru.sampler import Sampler
 from rimuru.sampling_params import SamplingParams
+from tools.records import load_version
 
 
 def operations(step) -> int:

@@ -9,10 +9,10 @@ on `--device` (default: the GPU when there is one, as the engine keeps it under 
 path, each copy a memcpy; `none`: no copy). `--against` alternates the rounds with older versions of
 rimuru/kv_cache.py (and rimuru/model_runner.py) in the same process. Prints JSON: medians, mean and p99 in us.
 
-    python tools/bench_scheduler.py [--running 140] [--rounds 3000] [--seed 0] [--device cuda|cpu|none]
+    python -m tools.engine.scheduler [--running 140] [--rounds 3000] [--seed 0] [--device cuda|cpu|none]
     git show 026cd3f:rimuru/kv_cache.py > /tmp/kv_old.py
     git show 0d983eb:rimuru/model_runner.py > /tmp/runner_old.py
-    python tools/bench_scheduler.py --device none --against /tmp/kv_old.py --against-runner /tmp/runner_old.py
+    python -m tools.engine.scheduler --device none --against /tmp/kv_old.py --against-runner /tmp/runner_old.py
 """
 
 import argparse
@@ -24,13 +24,13 @@ import time
 
 import torch
 
-from rimuru.benchmark import load_version
 from rimuru.kv_cache import KVCacheManager
 from rimuru.memory import PageAllocator, page_sizes
 from rimuru.model_runner import step_inputs
 from rimuru.request import Request
 from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
+from tools.records import load_version
 
 LAYERS, PAGE_TOKENS, MAX_SEQS = 24, 16, 256
 SIZES = page_sizes((1408 * 2048,), (2, PAGE_TOKENS, 16, 128), torch.bfloat16)  # Qwen1.5-MoE-A2.7B

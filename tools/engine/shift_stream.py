@@ -2,7 +2,7 @@
 prompts in the first part of the vocabulary, the second half moves to the second part. With dummy weights of
 `router_regimes=2` (rimuru.models.dummy) every MoE layer's popular experts move with the prompts halfway through.
 
-    python tools/shift_stream.py stream.jsonl --vocab-size 151936 > shifted.jsonl
+    python -m tools.engine.shift_stream stream.jsonl --vocab-size 151936 > shifted.jsonl
 """
 
 import argparse

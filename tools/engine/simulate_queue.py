@@ -1,8 +1,8 @@
 """What a fixed KV capacity does to the queue: the engine's own `Scheduler` and `KVCacheManager` over a stream's
 arrivals, with no model and no GPU (a step's time is a fitted line), seconds a run.
 
-    python tools/simulate_queue.py --stream .bench/stream-400-r0.jsonl --rate 10 --kv-pages 1100 1250 1400
-    python tools/simulate_queue.py ... --kv-pages 1100 --reserve 0.1 0.5      # admission that keeps growth room
+    python -m tools.engine.simulate_queue --stream .bench/stream-400-r0.jsonl --rate 10 --kv-pages 1100 1250 1400
+    python -m tools.engine.simulate_queue ... --kv-pages 1100 --reserve 0.1 0.5      # admission that keeps growth room
 
 Each step: the scheduler's round, then every scheduled request computes its tokens; a prefill that completes and
 every decode add one output token (EOS ignored, `max_tokens` as the stream says, as `rimuru bench` runs it). A step

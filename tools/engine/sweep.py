@@ -1,7 +1,7 @@
 """Several `rimuru bench` runs in one process, the checkpoint loaded once (on the H200 a dummy Qwen1.5-MoE takes
 longer to load than some runs take to finish).
 
-    python tools/bench_sweep.py MODEL --out-dir OUT --common "--stream s.jsonl --rate 10 --load-format dummy" \\
+    python -m tools.engine.sweep MODEL --out-dir OUT --common "--stream s.jsonl --rate 10 --load-format dummy" \\
         --run resident="--expert-policy resident" --run fixed8="--expert-policy fixed --offload-per-layer 8"
 
 Each run is `rimuru bench MODEL <common> <its flags> --out OUT/<name>.json`, with its output in OUT/<name>.log and

@@ -1,8 +1,8 @@
 """Benchmark Rimuru's paged MoE and paged attention kernels; writes a JSON report and prints a table.
 
-    python tools/bench_kernels.py --out kernels.json            # on a CUDA GPU
-    TRITON_INTERPRET=1 python tools/bench_kernels.py --smoke    # logic check on CPU, tiny shapes, times meaningless
-    python tools/bench_kernels.py --breakdown --out breakdown.json   # the MoE op piece by piece (moe_breakdown.py)
+    python -m tools.kernels.bench --out kernels.json            # on a CUDA GPU
+    TRITON_INTERPRET=1 python -m tools.kernels.bench --smoke    # logic check on CPU, tiny shapes, times meaningless
+    python -m tools.kernels.bench --breakdown --out breakdown.json   # the MoE op piece by piece (breakdown.py)
 
 MoE, per model shape and M = 1, 2, 4, ..., 4096 tokens (bf16, softmax top-k routing of random logits):
   paged     both GEMM kernels, experts at shuffled pages of a pool 1.5x the experts' size (sorting excluded)
@@ -257,7 +257,7 @@ def main():
 
 
 def write_breakdown(report, path, device, dtype, smoke, copy_tb_per_s):
-    from moe_breakdown import run_breakdown
+    from tools.kernels.breakdown import run_breakdown
 
     if copy_tb_per_s:
         print(f"device-to-device copy: {copy_tb_per_s:.2f} TB/s")

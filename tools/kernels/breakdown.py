@@ -1,7 +1,7 @@
 """Where the whole MoE op's time goes: each piece of `paged_moe_triton` timed alone under CUDA graph replay.
 
-    python tools/bench_kernels.py --breakdown --out breakdown.json               # on a CUDA GPU, ~1 minute
-    TRITON_INTERPRET=1 python tools/bench_kernels.py --breakdown --smoke         # logic check on CPU
+    python -m tools.kernels.bench --breakdown --out breakdown.json               # on a CUDA GPU, ~1 minute
+    TRITON_INTERPRET=1 python -m tools.kernels.bench --breakdown --smoke         # logic check on CPU
 
 Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs), each a captured graph of:
   floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
@@ -23,7 +23,7 @@ Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs)
                 1 * floor at M = 1, where no sort is timed)
 Times are medians of CUDA events around graph replays (triton.testing.do_bench: L2 flushed before each replay, so
 each piece starts cold where in the op its input may still sit in L2). Does not own the main tables
-(`tools/bench_kernels.py`).
+(`tools/kernels/bench.py`).
 """
 
 import contextlib
@@ -31,7 +31,6 @@ import importlib
 
 import torch
 import triton
-from bench_kernels import MODELS, expert_pools, routing, time_ms
 
 from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import (
@@ -49,6 +48,7 @@ from rimuru.ops.moe_align import (
 )
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, moe_gemms, paged_moe_triton
 from rimuru.ops.topk_sum import topk_sum_triton
+from tools.kernels.bench import MODELS, expert_pools, routing, time_ms
 
 BREAKDOWN_M = [1, 2, 4, 8, 64, 1024, 4096]
 PAIR_BLOCK_M = 8  # up to this M the GEMMs are timed over pair blocks too (`pair_blocks`: no sort)

@@ -1,7 +1,7 @@
 """Sweep the decode-only attention variants (`rimuru.ops.decode_attention`) against the general kernel, one GPU run.
 
-    python tools/sweep_decode_attention.py --out decode_sweep.json               # on a CUDA GPU, about 90 s
-    TRITON_INTERPRET=1 python tools/sweep_decode_attention.py --smoke            # logic check on CPU, tiny shapes
+    python -m tools.kernels.decode_attention --out decode_sweep.json               # on a CUDA GPU, about 90 s
+    TRITON_INTERPRET=1 python -m tools.kernels.decode_attention --smoke            # logic check on CPU, tiny shapes
 
 Target shape (issue 4): batch 64 x 1024-token contexts, Hq 32, Hk 4, Dh 128, 16-token pages in shuffled order,
 bf16; bytes = K and V of every context token once + queries and outputs (`bench_kernels.decode_inputs`). The
@@ -34,11 +34,11 @@ import sys
 
 import torch
 import triton
-from bench_kernels import copy_bandwidth, decode_inputs, time_graph_ms, time_ms
 
 from rimuru.ops import reference
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config
 from rimuru.ops.paged_attention import default_config, paged_attention_triton
+from tools.kernels.bench import copy_bandwidth, decode_inputs, time_graph_ms, time_ms
 
 ALL_FLAGS = {"HEADS_FASTEST": True, "EVEN_TILES": True, "PREFETCH_PAGES": True}
 PIPELINED_TILES = [(128, 8, 3), (128, 4, 3), (128, 8, 4), (64, 4, 3), (64, 4, 4), (64, 8, 4), (64, 4, 5),

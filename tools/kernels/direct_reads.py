@@ -1,7 +1,7 @@
 """What reading host experts in place costs the MoE op (`expert_reads="direct"`), against copying them first.
 
-    python tools/bench_direct_reads.py --out direct_reads.json        # on a CUDA GPU
-    TRITON_INTERPRET=1 python tools/bench_direct_reads.py --smoke     # logic check on CPU, times meaningless
+    python -m tools.kernels.direct_reads --out direct_reads.json        # on a CUDA GPU
+    TRITON_INTERPRET=1 python -m tools.kernels.direct_reads --smoke     # logic check on CPU, times meaningless
 
 Per model shape (Qwen3-30B-A3B, Qwen1.5-MoE) and M = 1, 8, 64, 256 tokens: the whole `paged_moe` op with every
 expert in the pool (`resident`), and with the N least-used routed experts on the host, read by the kernels from
@@ -18,10 +18,8 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from bench_kernels import MODELS, expert_pools, routing, time_ms  # noqa: E402
-
-from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
+from rimuru.ops.paged_moe import paged_moe_triton
+from tools.kernels.bench import MODELS, expert_pools, routing, time_ms
 
 M_VALUES = (1, 8, 64, 256)
 HOST_COUNTS = (1, 4)

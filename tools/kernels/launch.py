@@ -1,7 +1,7 @@
 """The host's time to launch the MoE op eagerly, beside the GPU's time for the same call from a CUDA graph.
 
-    python tools/bench_launch.py --out launch.json              # on a CUDA GPU (`device_session.sh launch`)
-    TRITON_INTERPRET=1 python tools/bench_launch.py --smoke     # logic check on CPU, times meaningless
+    python -m tools.kernels.launch --out launch.json              # on a CUDA GPU (`device_session.sh launch`)
+    TRITON_INTERPRET=1 python -m tools.kernels.launch --smoke     # logic check on CPU, times meaningless
 
 Eager prefill and mixed steps launch the op from Python. Where the host's launch takes longer than the GPU's work,
 the host is the bound: at M <= 4 two GEMM launches took 72-140 us eagerly at ace1e02 and 35-80 us from a graph
@@ -18,11 +18,11 @@ import sys
 import time
 
 import torch
-from bench_kernels import MODELS, expert_pools, routing, time_graph_ms
 
 from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import gemm_layout
 from rimuru.ops.paged_moe import moe_gemms, paged_moe_triton
+from tools.kernels.bench import MODELS, expert_pools, routing, time_graph_ms
 
 VARIANTS = {"table": {}, "no PDL": {"PDL": False}, "no L2 hints": {"L2_HINTS": False}}
 TINY = {"tiny": {"E": 6, "F": 40, "D": 72, "K": 2}}

@@ -1,11 +1,11 @@
 """Registers, spills and shared memory of the sort's Triton kernels, compiled for a GPU this machine need not have.
 
-    python tools/kernel_resources.py [--arch 90] [--experts 60 128] [--tiles 64 128]
+    python -m tools.kernels.resources [--arch 90] [--experts 60 128] [--tiles 64 128]
 
 Triton's CUDA backend compiles to a cubin without a device (its wheel carries ptxas), and cuobjdump reads the
 resource use back: a kernel whose tiles outgrow the registers shows it here before a GPU session spends minutes on
 it. At 8 warps an SM's 64K registers hold two programs up to 128 registers a thread, one up to 256; a STACK or
-LOCAL above 0 means spills. Times need the GPU (`tools/bench_kernels.py --breakdown`).
+LOCAL above 0 means spills. Times need the GPU (`tools/kernels/bench.py --breakdown`).
 """
 
 import argparse

@@ -1,6 +1,6 @@
 """Tune the paged MoE tiles per M bucket on this GPU; writes `ops/configs/<GPU name>.json`.
 
-    python tools/tune_kernels.py [--budget-s 240] [--models qwen3-30b-a3b qwen1.5-moe] [--m 1 2 4]
+    python -m tools.kernels.tune [--budget-s 240] [--models qwen3-30b-a3b qwen1.5-moe] [--m 1 2 4]
 
 For each model shape and M = 1, 2, 4, ..., 4096 it tries a few BLOCK_M values (the sort depends on it, so both
 kernels share it) and, for each, times the gate/up and the down kernel separately over a small space of
@@ -22,11 +22,11 @@ import time
 from pathlib import Path
 
 import torch
-from bench_kernels import M_VALUES, MODELS, expert_pools, routing, time_graph_ms, time_ms
 
 from rimuru.ops.configs import CONFIG_DIR, device_file_name
 from rimuru.ops.moe_align import align_tokens, uses_pair_blocks
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, paged_moe_triton
+from tools.kernels.bench import M_VALUES, MODELS, expert_pools, routing, time_graph_ms, time_ms
 
 PAIR_LAYOUT_MAX_TOKENS = 16  # up to here the op is also timed one M block a pair (no sort): `PAIR_BLOCKS`
 

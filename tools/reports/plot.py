@@ -2,7 +2,7 @@
 and the host experts routed a step over time, the cost rule's view over time (records whose samples carry it), and
 throughput / TTFT against request rate, one line per label.
 
-    python tools/plot_bench.py OUT_DIR resident=r5.json elastic=e5.json ...   (a label may repeat across rates)
+    python -m tools.reports.plot OUT_DIR resident=r5.json elastic=e5.json ...   (a label may repeat across rates)
 """
 
 import argparse
@@ -14,7 +14,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
-from rimuru.benchmark import read_records  # noqa: E402
+from tools.records import read_records  # noqa: E402
 
 
 def plot_concurrency(records, out_dir: str) -> str:

@@ -1,6 +1,6 @@
 """A markdown table from `rimuru bench` records, one row a record, as `docs/benchmarks/paper-scenario.md` prints them.
 
-    python tools/bench_table.py resident=resident.json elastic=elastic.json.gz ...   (the first is the baseline)
+    python -m tools.reports.table resident=resident.json elastic=elastic.json.gz ...   (the first is the baseline)
 
 Columns: output tok/s and the ratio to the first record, TTFT mean / median / p99, TPOT median, peak / mean
 running, forward steps, preemptions, evictions / additions (and swaps), bytes copied and host experts read in place
@@ -15,8 +15,8 @@ steps, and the experts on the host.
 
 import argparse
 
-from rimuru.benchmark import read_records
 from rimuru.config import parse_bytes
+from tools.records import read_records
 
 HEADER = ("| policy | output tok/s | vs first | TTFT mean / median / p99 | TPOT median | peak / mean running "
           "| steps | preemptions | evictions / additions | copied, read in place | prefetch hit rate "

@@ -7,7 +7,7 @@ produces exactly its `max_tokens`; `--max-model-len` cuts prompts and outputs to
 
     rimuru serve &                      # the tiny model on 127.0.0.1:8000
     python3 shared/workloads/sharegpt_synth.py --num 50 --rate 5 --seed 0 --vocab-size 512 > stream.jsonl
-    python tools/bench_serve.py --stream stream.jsonl --max-model-len 512 --out result.json
+    python -m tools.serving.bench --stream stream.jsonl --max-model-len 512 --out result.json
 """
 
 import argparse

@@ -1,9 +1,9 @@
 #!/usr/bin/env python3
 """The stream `rimuru bench` replays, replayed at its arrival times into vLLM's in-process engine (add_request and
-step), for the side-by-side benchmark (`tools/vs_vllm.py`). vLLM is a benchmark-only tool here, never a dependency
+step), for the side-by-side benchmark (`tools/vs_vllm/table.py`). vLLM is a benchmark-only tool here, never a dependency
 of Rimuru: this file runs on the GPU machine with vLLM carried there (`tools/device_session.sh vsvllm`).
 
-    python tools/vllm_replay.py MODEL_DIR --budget-gib 30 --stream a.jsonl --stream b.jsonl --out-dir OUT
+    python -m tools.vs_vllm.replay MODEL_DIR --budget-gib 30 --stream a.jsonl --stream b.jsonl --out-dir OUT
 
 Dummy weights from a config folder, prompts as token ids, greedy with ignore_eos (as `rimuru bench`), vLLM's
 defaults otherwise (torch.compile, full and piecewise CUDA graphs, chunked prefill at 2,048 batched tokens, 256

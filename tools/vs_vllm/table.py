@@ -2,11 +2,11 @@
 """Rimuru against vLLM, side by side: bench records of one device call merged into docs/benchmarks/vs-vllm.json,
 and the table of docs/benchmarks/vs-vllm.md written from all of it.
 
-    python tools/vs_vllm.py --call 1 --commit abc1234 \\
+    python -m tools.vs_vllm.table --call 1 --commit abc1234 \\
         vllm=OUT/vllm-stream-400-r10.json resident=OUT/resident-400-r10.json default=OUT/default-400-r10.json
 
 Each `POLICY=RECORD` is a `rimuru bench` record (POLICY: how it was run, `default` for no policy flags) or, for
-`vllm`, a `tools/vllm_replay.py` record. A run of the same call, model, budget, stream, engine and policy replaces
+`vllm`, a `tools/vs_vllm/replay.py` record. A run of the same call, model, budget, stream, engine and policy replaces
 the one in the file; the rest stay. The table gives each run's throughput over vLLM's in the same call.
 """
 

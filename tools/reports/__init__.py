@@ -1,0 +1,1 @@
+"""Markdown tables and PNG plots from `rimuru bench` records."""
