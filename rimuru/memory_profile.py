@@ -79,7 +79,9 @@ def profile_step_memory(model, sizes: PageSizes, shapes: ProfileShapes, num_laye
     torch.cuda.reset_peak_memory_stats(device)
     if shapes.eager_tokens:
         logits = eager.run_padding(_eager_shape(shapes, sizes.page_tokens)).float()
-    _sample_worst_case(logits[: shapes.max_num_seqs])
+    # zeroed in place (no allocation): a captured graph's logits are uninitialised until a replay, and NaN rows
+    # would fail the sampler's draw
+    _sample_worst_case(logits[: shapes.max_num_seqs].zero_())
     torch.cuda.synchronize(device)
     step_bytes = torch.cuda.max_memory_reserved(device) - base - graph_bytes
     del graphs, logits, kv_tables, scratch
