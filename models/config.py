@@ -105,6 +105,13 @@ class ModelConfig:
         """The Gated DeltaNet layers of a hybrid model, whose per-request state lives in SSM and conv pages."""
         return [i for i, kind in enumerate(self.layer_types) if kind == LINEAR_ATTENTION]
 
+    @property
+    def attention_layer_ids(self) -> list[int]:
+        """The layers that keep KV pages: all of them, but a hybrid model's full-attention layers only. Row r of the
+        context's KV tables and slot mappings belongs to layer attention_layer_ids[r]."""
+        linear = set(self.linear_layer_ids)
+        return [i for i in range(self.num_hidden_layers) if i not in linear]
+
     def replace(self, **changes) -> "ModelConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return ModelConfig(**(values | changes))

@@ -61,7 +61,7 @@ class GatedAttention(nn.Module):
 
     def __init__(self, config: ModelConfig, layer_idx: int):
         super().__init__()
-        self.layer_idx = layer_idx
+        self.kv_idx = config.attention_layer_ids.index(layer_idx)  # its row of the KV tables: linear layers have none
         self.num_heads, self.num_kv_heads, dh = config.num_attention_heads, config.num_key_value_heads, config.head_dim
         self.head_dim, self.scale = dh, dh**-0.5
         d, bias = config.hidden_size, config.qkv_bias
@@ -78,7 +78,7 @@ class GatedAttention(nn.Module):
         q = partial_rope(self.q_norm(q), cos, sin)
         k = partial_rope(self.k_norm(self.k_proj(x).view(num_tokens, self.num_kv_heads, dh)), cos, sin)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, dh)
-        i = self.layer_idx
+        i = self.kv_idx
         ops.write_kv(k.contiguous(), v, ctx.kv_view, ctx.slot_mappings[i])
         out = ops.paged_attention(q.contiguous(), ctx.kv_view, ctx.kv_page_tables[i], ctx.seq_lens,
                                   ctx.query_start_loc, self.scale)  # fmt: skip

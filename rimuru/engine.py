@@ -70,7 +70,7 @@ class Engine:
         scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
         self._place_experts(folder)
         device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
-        self.kv_cache = KVCacheManager(self.allocator, self.model_config.num_hidden_layers, config.page_tokens,
+        self.kv_cache = KVCacheManager(self.allocator, len(self.model_config.attention_layer_ids), config.page_tokens,
                                        config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
         graphs = capture_step_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
                                      self.kv_cache.device_tables, scratch_page, config.max_num_seqs,
@@ -131,7 +131,7 @@ class Engine:
         """' to at least X': the budget whose pool holds one sequence of max_model_len ('' without a budget)."""
         if self.config.gpu_memory_budget is None:
             return ""
-        sizes, layers = self.pool.sizes, self.model_config.num_hidden_layers
+        sizes, layers = self.pool.sizes, len(self.model_config.attention_layer_ids)
         missing_pages = (-(-(self.config.max_model_len - capacity) // sizes.page_tokens) + 1) * layers
         expert_pages = -(-missing_pages // sizes.kv_pages_per_expert_page)
         return f" to at least {format_bytes(self.config.gpu_memory_budget + expert_pages * sizes.expert_page_bytes)}"

@@ -30,7 +30,7 @@ class ResidentRunner:
         self.on_routing = on_routing
         self.loaded, self.page_tokens = loaded, page_tokens
         self.max_requests, self.max_pages = max_requests, max_pages
-        self.num_layers = cfg.num_hidden_layers
+        self.num_layers = len(cfg.attention_layer_ids)  # KV tables: one row an attention layer
         gen = torch.Generator().manual_seed(1234)
         num_kv_pages = self.num_layers * max_requests * max_pages
         self.kv_perm = torch.randperm(num_kv_pages, generator=gen)

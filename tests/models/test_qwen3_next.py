@@ -74,6 +74,7 @@ def test_config_reads_the_hybrid_layout():
            "partial_rotary_factor": 0.25}  # fmt: skip
     config = ModelConfig.from_hf(raw)
     assert config.linear_layer_ids == [0, 1, 2] and config.layer_types[3] == "full_attention"
+    assert config.attention_layer_ids == [3]  # the only layer with KV pages
     assert config.partial_rotary_factor == 0.25 and config.shared_expert_intermediate_size == 4
     with pytest.raises(ValueError, match="layer_types holds \\['sliding_attention'\\]"):
         ModelConfig.from_hf(raw | {"layer_types": ["sliding_attention"] * 4})
