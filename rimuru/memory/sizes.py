@@ -159,4 +159,14 @@ def page_sizes_for_model(config, dtype: torch.dtype, page_tokens: int = DEFAULT_
     """
     expert_shape = (config.moe_intermediate_size * config.hidden_size,)
     kv_shape = (2, page_tokens, config.num_key_value_heads, _head_dim(config))
-    return page_sizes(expert_shape, kv_shape, dtype)
+    if not getattr(config, "linear_layer_ids", None):
+        return page_sizes(expert_shape, kv_shape, dtype)
+    return page_sizes(expert_shape, kv_shape, dtype, *linear_state_shapes(config), ssm_dtype=torch.float32)
+
+
+def linear_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A Gated DeltaNet layer's per-request state: the recurrent state [Hv, dk, dv] (an SSM page, fp32 as the delta
+    rule's kernels keep it) and the conv history [2 * Hk * dk + Hv * dv, kernel - 1] (a conv page)."""
+    hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
+    channels = 2 * config.linear_num_key_heads * dk + hv * dv
+    return (hv, dk, dv), (channels, config.linear_conv_kernel_dim - 1)

@@ -70,3 +70,22 @@ def test_a_request_cannot_take_its_state_twice():
     assert cache.allocate("a")
     with pytest.raises(ValueError, match="already holds"):
         cache.allocate("a")
+
+
+def test_a_hybrid_models_page_sizes_hold_its_state_exactly():
+    """Qwen3-Next-80B's full-size config: its fp32 recurrent state [32, 128, 128] is 2 MiB, exactly an expert page
+    (512 x 2048 in bf16), and its conv history [2 * 16 * 128 + 32 * 128, 3] in bf16 is 48 KiB."""
+    from rimuru.memory import page_sizes_for_model
+    from rimuru.models import ModelConfig
+
+    raw = {
+        "model_type": "qwen3_next", "vocab_size": 151936, "hidden_size": 2048, "num_hidden_layers": 48,
+        "num_attention_heads": 16, "num_key_value_heads": 2, "head_dim": 256, "moe_intermediate_size": 512,
+        "num_experts_per_tok": 10, "num_experts": 512, "full_attention_interval": 4, "linear_num_key_heads": 16,
+        "linear_num_value_heads": 32, "linear_key_head_dim": 128, "linear_value_head_dim": 128,
+        "linear_conv_kernel_dim": 4, "shared_expert_intermediate_size": 512}  # fmt: skip
+    sizes = page_sizes_for_model(ModelConfig.from_hf(raw), torch.bfloat16)
+    assert sizes.expert_page_bytes == 512 * 2048 * 2 == 2 * 2**20
+    assert sizes.ssm_page_bytes == 32 * 128 * 128 * 4 == sizes.ssm_page_stride == 2 * 2**20
+    assert sizes.conv_page_bytes == (2 * 16 * 128 + 32 * 128) * 3 * 2 == 48 * 2**10
+    assert sizes.ssm_dtype == torch.float32
