@@ -10,6 +10,7 @@ purpose so that a model reading the wrong page (or assuming contiguous pages) fa
 from collections.abc import Callable
 
 import torch
+import transformers
 
 from rimuru.models import ForwardContext, LoadedModel
 
@@ -137,3 +138,17 @@ def build_expert_pool(loaded: LoadedModel, gen: torch.Generator) -> tuple[torch.
                 view[page] = matrix.reshape(-1)
                 tables[layer_idx, expert_id, m] = page
     return view, tables
+
+
+def load_hf_reference(checkpoint) -> torch.nn.Module:
+    """Hugging Face transformers' model of a fabricated checkpoint in fp32, every weight loaded: the reference."""
+    model, info = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
+                                                                    output_loading_info=True)  # fmt: skip
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    return model.eval()
+
+
+def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
+    """The reference's logits [T, V] of one sequence."""
+    with torch.no_grad():
+        return hf_model(torch.tensor([tokens])).logits[0]

@@ -4,10 +4,9 @@ carry the linear layers' state through SSM and conv pages exactly."""
 
 import pytest
 import torch
-import transformers
 
 from rimuru.models import ModelConfig, fabricate, from_pretrained
-from tests.models.helpers import ResidentRunner
+from tests.models.helpers import ResidentRunner, hf_logits, load_hf_reference
 
 ATOL = 1e-4
 PROMPTS = [[5, 77, 301, 12, 9], [400, 3, 3, 250, 17, 88, 101, 64, 2], [42], [11, 200, 33, 4, 5, 6, 7, 8, 9, 10, 11]]
@@ -20,20 +19,13 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(checkpoint, dtype=torch.float32,
-                                                                    output_loading_info=True)  # fmt: skip
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return model.eval()
+    return load_hf_reference(checkpoint)
 
 
 @pytest.fixture()
 def loaded(checkpoint):
     return from_pretrained(checkpoint, device="cpu", dtype=torch.float32, progress=False)
 
-
-def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([tokens])).logits[0]  # [T, V]
 
 
 def test_prefill_batch_matches_hf(loaded, hf_model):

@@ -2,10 +2,9 @@
 
 import pytest
 import torch
-import transformers
 
 from rimuru.models import fabricate, from_pretrained
-from tests.models.helpers import ResidentRunner
+from tests.models.helpers import ResidentRunner, hf_logits, load_hf_reference
 
 ATOL = 1e-4
 PROMPTS = [
@@ -25,21 +24,13 @@ def checkpoint(request, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def hf_model(checkpoint):
-    model, info = transformers.AutoModelForCausalLM.from_pretrained(
-        checkpoint, dtype=torch.float32, output_loading_info=True
-    )
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
-    return model.eval()
+    return load_hf_reference(checkpoint)
 
 
 @pytest.fixture()
 def loaded(checkpoint):
     return from_pretrained(checkpoint, device="cpu", dtype=torch.float32, progress=False)
 
-
-def hf_logits(hf_model, tokens: list[int]) -> torch.Tensor:
-    with torch.no_grad():
-        return hf_model(torch.tensor([tokens])).logits[0]  # [T, V]
 
 
 def test_prefill_batch_matches_hf(loaded, hf_model):
@@ -138,8 +129,7 @@ def test_module_holds_no_routed_experts(loaded):
 )
 def test_config_switches_match_hf(tmp_path, arch, overrides):
     folder = fabricate(tmp_path, arch=arch, config_overrides=overrides)
-    hf, info = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, output_loading_info=True)
-    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    hf = load_hf_reference(folder)
     loaded = from_pretrained(folder, dtype=torch.float32, progress=False)
     tied = loaded.model.lm_head.weight is loaded.model.model.embed_tokens.weight
     assert tied == overrides.get("tie_word_embeddings", False)
