@@ -11,7 +11,7 @@ import torch
 from rimuru import LLM
 from rimuru.config import EngineConfig
 from rimuru.step_graphs import Shape, graph_batch_sizes, graph_limits, mixed_token_sizes
-from tests.engine.conftest import NUM_PROMPTS, free_gpu_memory
+from tests.engine.conftest import NUM_PROMPTS, free_gpu_memory, pin_step_reserve
 from tests.engine.test_experts import GREEDY, budget_for, run
 
 
@@ -271,11 +271,12 @@ def test_captured_graphs_give_the_eager_tokens_on_gpu(family, policy, reads):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 @pytest.mark.parametrize("policy,reads", [("resident", "direct"), ("fixed", "copy"), ("elastic", "copy"),
                                           ("elastic", "direct")])  # fmt: skip
-def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy, reads):
+def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy, reads, monkeypatch):
     """Every step, prefills included, replays captured graphs and gives the eager engine's tokens (fp32; the padded
     token counts may pick other MoE tiles than eager, which fp32 absorbs); elastic on a budget that evicts, with
     host experts copied in and read in place."""
     folder, prompts, _ = family
+    pin_step_reserve(monkeypatch)  # the eager and the graph engine get the pool the budget was computed for
     options = dict(device="cuda", dtype=torch.float32, expert_policy=policy, offload_per_layer=3,
                    expert_offload_limit=3, expert_reads=reads, **SMALL_GRAPH_SET)  # fmt: skip
     if policy == "fixed":
@@ -298,11 +299,12 @@ def test_captured_mixed_steps_give_the_eager_tokens_on_gpu(family, policy, reads
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_captured_graphs_count_the_routing_an_observer_sees_on_gpu(family):
+def test_captured_graphs_count_the_routing_an_observer_sees_on_gpu(family, monkeypatch):
     """The routing each captured pass counts in its last graph (`RoutingCounter.count_pass`: the cost rule's
     popularity, the host experts read in place) is what an observer sees between the replays: padding rows count
     nothing, and an expert is read once a layer a pass."""
     folder, prompts, _ = family
+    pin_step_reserve(monkeypatch)
     budget = budget_for(folder, kv_tokens=60, offload=3, device="cuda", dtype=torch.float32, mixed_cuda_graphs=True,
                         **SMALL_GRAPH_SET)  # fmt: skip
     tokens, reads, flushed = {}, [], []
