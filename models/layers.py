@@ -23,6 +23,12 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., size]
         return ops.rms_norm(x, self.weight, self.eps)
 
+    def add(self, x: torch.Tensor, residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:  # [T, size]
+        """(the norm of x + residual, x + residual) in one kernel; the first layer's input has no residual yet."""
+        if residual is None:
+            return self(x), x
+        return ops.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of the default (neox) RoPE for the positions of one step."""
@@ -53,8 +59,7 @@ class MLP(nn.Module):
         return {"gate_up_proj": (("gate_proj", self.intermediate_size), ("up_proj", self.intermediate_size))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
-        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, F] each
-        return self.down_proj(nn.functional.silu(gate) * up)
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2F] -> [T, F] -> [T, D]
 
 
 class Attention(nn.Module):

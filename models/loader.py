@@ -75,7 +75,7 @@ def from_pretrained(
     else:
         experts = _read_checkpoint(weights, config, folder, progress)
     _assign(model, params, device)
-    model.keep_routers_in_fp32()
+    model.prepare_loaded_weights()
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the random experts' device scratch, before the pool is sized
     return LoadedModel(model=model.eval(), config=config, experts=experts, folder=folder)

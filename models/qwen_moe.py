@@ -34,12 +34,20 @@ class SparseMoeBlock(nn.Module):
             self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
 
     def keep_router_in_fp32(self) -> None:
-        """The router's weight kept in fp32, so a step does not cast it again; the loader calls this once loaded."""
-        self.register_buffer("router_weight", self.gate.weight.detach().float(), persistent=False)  # [E, D]
+        """The router's weight kept in fp32, so a step does not cast it again; the loader calls this once loaded.
+        A 16-bit router on a GPU keeps none: cuBLAS multiplies it into fp32 logits (`route`)."""
+        weight = self.gate.weight.detach()
+        multiplies_into_fp32 = weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
+        self.register_buffer("router_weight", None if multiplies_into_fp32 else weight.float(), persistent=False)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, D]
         """Top-k expert ids [T, K] and their fp32 weights [T, K]; logits and softmax in fp32."""
-        logits = nn.functional.linear(x.float(), self.router_weight)  # [T, E]
+        if self.router_weight is None:
+            # 16-bit products are exact in fp32 and cuBLAS sums them in fp32: the fp32 GEMM's logits, without a cast
+            # of x and an fp32 GEMM a layer
+            logits = torch.mm(x, self.gate.weight.T, out_dtype=torch.float32)  # [T, E]
+        else:
+            logits = nn.functional.linear(x.float(), self.router_weight)  # [T, E]
         return ops.topk_softmax(logits, self.top_k, self.norm_topk_prob)
 
     def steps(self, x: torch.Tensor, ctx: ForwardContext) -> Pieces:  # x [T, D] -> [T, D]
@@ -51,8 +59,25 @@ class SparseMoeBlock(nn.Module):
         host = ctx.host_experts.get(self.layer_idx) if ctx.host_experts else None
         out = ops.paged_moe(x, ctx.expert_view, page_table, topk_ids, topk_weights, self.num_features, host)  # [T, D]
         if self.shared_expert is not None:
-            out = out + torch.sigmoid(self.shared_expert_gate(x)) * self.shared_expert(x)
+            out = ops.sigmoid_gated_add(out, *self.shared_expert_and_gate(x))
         return out
+
+    def stack_shared_expert_gate(self) -> None:
+        """The shared expert's gate row stacked under its gate/up weight, both parameters views of one tensor, so
+        one GEMM computes both (a GEMM of one output column costs as much as a small one); the loader calls this."""
+        if self.shared_expert is None:
+            return
+        gate_up, gate = self.shared_expert.gate_up_proj, self.shared_expert_gate
+        stacked = torch.cat((gate_up.weight.detach(), gate.weight.detach()))  # [2F + 1, D]
+        gate_up.weight.data, gate.weight.data = stacked[:-1], stacked[-1:]
+        self.register_buffer("shared_gate_up_gate", stacked, persistent=False)
+
+    def shared_expert_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, D]
+        """The shared expert's gate logits [T, 1] and its output [T, D]."""
+        if getattr(self, "shared_gate_up_gate", None) is None:
+            return self.shared_expert_gate(x), self.shared_expert(x)
+        projected = nn.functional.linear(x, self.shared_gate_up_gate)  # [T, 2F + 1]
+        return projected[:, -1:], self.shared_expert.down_proj(ops.silu_and_mul(projected[:, :-1]))
 
 
 class DecoderLayer(nn.Module):
@@ -65,10 +90,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> Pieces:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, ctx)  # [T, D]
-        h = self.post_attention_layernorm(x)
-        return x + ((yield from self.mlp.steps(h, ctx)) if self.is_moe else self.mlp(h))  # [T, D]
+    def steps(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+              ctx: ForwardContext) -> Pieces:  # fmt: skip
+        """x the previous layer's output and residual the stream before it (None at the first layer): returns this
+        layer's MLP output and the stream before it; each norm adds the two in its own kernel, as vLLM's layers do."""
+        h, residual = self.input_layernorm.add(x, residual)  # [T, D] each
+        h, residual = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, ctx), residual)
+        return ((yield from self.mlp.steps(h, ctx)) if self.is_moe else self.mlp(h)), residual
 
 
 class QwenMoeModel(nn.Module):
@@ -82,11 +110,11 @@ class QwenMoeModel(nn.Module):
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
     def steps(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Pieces:  # input_ids [T] -> [T, D]
-        x = self.embed_tokens(input_ids)  # [T, D]
+        x, residual = self.embed_tokens(input_ids), None  # [T, D]
         cos, sin = self.rotary_emb(ctx.positions, x.dtype)  # [T, Dh]
         for layer in self.layers:
-            x = yield from layer.steps(x, cos, sin, ctx)
-        return x
+            x, residual = yield from layer.steps(x, residual, cos, sin, ctx)
+        return x + residual
 
 
 class QwenMoeForCausalLM(nn.Module):
@@ -113,11 +141,13 @@ class QwenMoeForCausalLM(nn.Module):
         if self.config.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
 
-    def keep_routers_in_fp32(self) -> None:
-        """Each router's weight as an fp32 buffer beside it; the loader calls this once the weights are in."""
+    def prepare_loaded_weights(self) -> None:
+        """Each router's weight in fp32 where a step needs it, each shared expert's gate stacked with its gate/up
+        weight; the loader calls this once the weights are in."""
         for module in self.modules():
             if isinstance(module, SparseMoeBlock):
                 module.keep_router_in_fp32()
+                module.stack_shared_expert_gate()
 
     def checkpoint_layout(self) -> dict[str, tuple[str, int, torch.Size]]:
         """Checkpoint key -> (parameter name, first row, shape) of every non-expert weight: a stacked projection

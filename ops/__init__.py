@@ -8,10 +8,11 @@ fake implementations.
 
 import torch
 
+import rimuru.ops.activations  # noqa: F401  (registers rimuru::silu_and_mul and sigmoid_gated_add)
 import rimuru.ops.linear_attention  # noqa: F401  (registers rimuru::gated_delta_* and causal_conv1d_*)
 import rimuru.ops.paged_attention  # noqa: F401  (registers rimuru::paged_attention)
 import rimuru.ops.paged_moe  # noqa: F401  (registers rimuru::paged_moe)
-import rimuru.ops.rms_norm  # noqa: F401  (registers rimuru::rms_norm)
+import rimuru.ops.rms_norm  # noqa: F401  (registers rimuru::rms_norm and add_rms_norm)
 import rimuru.ops.rope  # noqa: F401  (registers rimuru::rope)
 import rimuru.ops.topk_softmax  # noqa: F401  (registers rimuru::topk_softmax)
 import rimuru.ops.write_kv  # noqa: F401  (registers rimuru::write_kv)
@@ -35,6 +36,21 @@ def paged_moe(
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # x [..., N], weight [N]
     """RMSNorm over the last dimension in one kernel; see `rimuru.ops.reference.rms_norm`."""
     return torch.ops.rimuru.rms_norm(x, weight, eps)
+
+
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):  # [T, N] each
+    """(RMSNorm of x + residual, x + residual) in one kernel; see `rimuru.ops.reference.add_rms_norm`."""
+    return torch.ops.rimuru.add_rms_norm(x, residual, weight, eps)
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
+    """silu(gate) * up of a stacked gate/up projection in one kernel; see `rimuru.ops.reference.silu_and_mul`."""
+    return torch.ops.rimuru.silu_and_mul(x)
+
+
+def sigmoid_gated_add(base: torch.Tensor, gate_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """base + sigmoid(gate_logits) * x in one kernel; see `rimuru.ops.reference.sigmoid_gated_add`."""
+    return torch.ops.rimuru.sigmoid_gated_add(base, gate_logits, x)
 
 
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # q [T, Hq, Dh], k [T, Hk, Dh]
@@ -70,7 +86,8 @@ def paged_attention(
     return torch.ops.rimuru.paged_attention(query, kv_view, page_table, seq_lens, query_start_loc, scale)
 
 
-__all__ = ["paged_attention", "paged_moe", "rms_norm", "rope", "topk_softmax", "write_kv"]
+__all__ = ["add_rms_norm", "paged_attention", "paged_moe", "rms_norm", "rope", "sigmoid_gated_add", "silu_and_mul",
+           "topk_softmax", "write_kv"]
 
 
 def gated_delta_step(q, k, v, g, beta, ssm_view: torch.Tensor, state_ids: torch.Tensor) -> torch.Tensor:

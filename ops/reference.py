@@ -55,6 +55,23 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):  # [T, N] each
+    """The residual stream's add, then `rms_norm` of the sum: (normalised sum, sum)."""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
+    """SwiGLU's activation of a stacked gate/up projection: silu(gate) * up, gate the first half of each row."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+def sigmoid_gated_add(base: torch.Tensor, gate_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """base + sigmoid(gate_logits) * x (base, x [T, D], gate_logits [T, 1]): qwen2_moe's gated shared expert."""
+    return base + torch.sigmoid(gate_logits) * x
+
+
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # q [T, Hq, Dh], k [T, Hk, Dh]
     """transformers' neox RoPE on q and k (cos, sin [T, Dh] in their dtype): x * cos + rotate_half(x) * sin, each
     product rounded to the dtype before the sum."""

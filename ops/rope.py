@@ -12,15 +12,7 @@ import triton
 import triton.language as tl
 
 from rimuru.ops import reference
-
-
-@triton.jit
-def _bf16_rounded(x):
-    """fp32 x rounded to bf16 (to nearest, ties to even) on its bits: the GPU compiler kept the exact fp32 product
-    where a `.to(bf16).to(fp32)` round trip stood, which broke bit equality with the torch form."""
-    bits = x.to(tl.uint32, bitcast=True)
-    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
-    return bits.to(tl.float32, bitcast=True)
+from rimuru.ops.rounding import bf16_rounded
 
 
 @triton.jit
@@ -38,8 +30,8 @@ def _rotate_heads(p_x, p_out, p_cos, p_sin, i_t, num_heads, stride_xt, stride_xh
     x1, x2, c1, c2 = x1.to(tl.float32), x2.to(tl.float32), c1.to(tl.float32), c2.to(tl.float32)
     s1, s2 = s1.to(tl.float32), s2.to(tl.float32)
     if dtype == tl.bfloat16:
-        out1 = _bf16_rounded(x1 * c1) + _bf16_rounded(-x2 * s1)
-        out2 = _bf16_rounded(x2 * c2) + _bf16_rounded(x1 * s2)
+        out1 = bf16_rounded(x1 * c1) + bf16_rounded(-x2 * s1)
+        out2 = bf16_rounded(x2 * c2) + bf16_rounded(x1 * s2)
     else:
         out1 = (x1 * c1).to(dtype).to(tl.float32) + (-x2 * s1).to(dtype).to(tl.float32)
         out2 = (x2 * c2).to(dtype).to(tl.float32) + (x1 * s2).to(dtype).to(tl.float32)

@@ -92,6 +92,21 @@ def profile(s: Session) -> None:
     s.show_file(s.out / "profile_step.txt", head(40))
 
 
+def stepab(s: Session) -> None:
+    """The decode step at PROFILE_FLAGS (64 resident requests) in this tree and in BASE_TREE (.bench/base: `git
+    archive BASE | tar -x -C .bench/base`, carried), alternated this, base, this, base; each lays out its own package."""
+    base = s.knob("BASE_TREE", ".bench/base")
+    flags = s.knob("PROFILE_FLAGS", "--num-requests 64 --expert-policy resident")
+    model, stream = Path(s.model).resolve(), Path(s.stream).resolve()
+    for i, tree in enumerate([".", base, ".", base]):
+        name = "this" if tree == "." else "base"
+        log = s.out / f"stepab-{i}-{name}.txt"
+        script = (f"cd {tree} && source tools/device_env.sh && exec python -P -m tools.engine.profile_step {model} "
+                  f"{' '.join(s.dummy)} --stream {stream} --steps 20 {flags}")  # fmt: skip
+        rc = s.run(["bash", "-c", script], log=log, timeout_s=240)
+        s.say(f"-- {name} rc={rc}: {first_line(log, 'decode step')}")
+
+
 def hostphases(s: Session) -> None:
     """PROFILE_FLAGS (default --num-requests 1); the ranking at SKEW."""
     for adjuster in ("paper", "cost"):

@@ -63,6 +63,7 @@ SCENARIOS = {s.name: s for s in [
              jobs.tunelarge),
     Scenario("tunewide", "5", "retune Qwen3's M = 1024 over BLOCK_K 128, BLOCK_N 256, 5 stages too", jobs.tunewide),
     Scenario("profile", "~2", "where a decode step of 200 requests spends its time (PROFILE_FLAGS)", jobs.profile),
+    Scenario("stepab", "5", "the decode step in this tree and in BASE_TREE, alternated (PROFILE_FLAGS)", jobs.stepab),
     Scenario("hostphases", "2", "the host time of each part of a decode step, paper rule against cost rule",
              jobs.hostphases),
     Scenario("throughput", "~5", "rimuru bench, all experts resident on the whole GPU, the stream at once",

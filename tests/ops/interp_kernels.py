@@ -20,6 +20,7 @@ from rimuru.ops import (
     moe_align,  # noqa: E402
     reference,  # noqa: E402
 )
+from rimuru.ops.activations import sigmoid_gated_add_triton, silu_and_mul_triton  # noqa: E402
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
 from rimuru.ops.moe_align import (  # noqa: E402
     MAX_SORT_PROGRAMS,
@@ -31,7 +32,7 @@ from rimuru.ops.moe_align import (  # noqa: E402
 )
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
-from rimuru.ops.rms_norm import rms_norm_triton  # noqa: E402
+from rimuru.ops.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
 from rimuru.ops.rope import rope_triton  # noqa: E402
 from rimuru.ops.topk_softmax import topk_softmax_triton  # noqa: E402
 from rimuru.ops.topk_sum import topk_sum_triton  # noqa: E402
@@ -345,6 +346,32 @@ def test_rms_norm(shape):
     tri = rms_norm_triton(x, weight, 1e-6)
     assert tri.shape == ref.shape
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("shape", [(1, 72), (3, 24), (130, 2048)])
+def test_add_rms_norm(shape):
+    """x a view with a row stride wider than its rows, as a projection's output slice may be."""
+    x = (torch.randn(shape[0], shape[1] + 7) * 3)[:, : shape[1]]
+    residual, weight = torch.randn(*shape), torch.randn(shape[-1])
+    (ref, ref_sum), (tri, tri_sum) = reference.add_rms_norm(x, residual, weight, 1e-6), add_rms_norm_triton(
+        x, residual, weight, 1e-6)  # fmt: skip
+    torch.testing.assert_close(tri_sum, ref_sum, rtol=0, atol=0)
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,num_features", [(1, 8), (5, 1408), (3, 2500)])
+def test_silu_and_mul(num_tokens, num_features):
+    x = torch.randn(num_tokens, 2 * num_features) * 4
+    torch.testing.assert_close(silu_and_mul_triton(x), reference.silu_and_mul(x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_tokens,hidden_size", [(1, 72), (4, 2048), (9, 1500)])
+def test_sigmoid_gated_add(num_tokens, hidden_size):
+    """The gate logit a [T, 1] column of a wider projection output (its row stride), as a stacked gate leaves it."""
+    base, x = torch.randn(num_tokens, hidden_size), torch.randn(num_tokens, hidden_size)
+    gate_logits = (torch.randn(num_tokens, 3) * 4)[:, 1:2]
+    tri = sigmoid_gated_add_triton(base, gate_logits, x)
+    torch.testing.assert_close(tri, reference.sigmoid_gated_add(base, gate_logits, x), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_tokens,num_q_heads,num_k_heads,head_dim", [(1, 4, 4, 16), (5, 8, 2, 32), (17, 3, 1, 8)])

@@ -111,6 +111,25 @@ def test_rms_norm_bf16(shape):
     assert (tri.float() - reference.rms_norm(x, weight, 1e-6).float()).abs().max() <= 0.0625  # torch's bf16 form
 
 
+@pytest.mark.parametrize("num_tokens", [1, 64, 2048])
+def test_fused_elementwise_bf16_equal_the_torch_form(num_tokens):
+    """The residual add and norm, SwiGLU's activation and the shared expert's gate, bf16 on the GPU: torch's
+    roundings kept, so the sums and products equal the torch form's (the sigmoid and silu within a bf16 step)."""
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    x, residual = (torch.randn(2, num_tokens, 2048, device="cuda", generator=gen) * 3).bfloat16().unbind(0)
+    weight = torch.randn(2048, device="cuda", generator=gen).bfloat16()
+    poison_allocator()
+    (ref, ref_sum), (tri, tri_sum) = reference.add_rms_norm(x, residual, weight, 1e-6), ops.add_rms_norm(
+        x, residual, weight, 1e-6)  # fmt: skip
+    assert torch.equal(tri_sum, ref_sum) and (tri.float() - ref.float()).abs().max() <= 0.0625
+    gate_up = (torch.randn(num_tokens, 2 * 1408, device="cuda", generator=gen) * 4).bfloat16()
+    for tri, ref in ((ops.silu_and_mul(gate_up), reference.silu_and_mul(gate_up)),
+                     (ops.sigmoid_gated_add(x, gate_up[:, :1], residual),
+                      reference.sigmoid_gated_add(x, gate_up[:, :1], residual))):  # fmt: skip
+        assert tri.dtype == torch.bfloat16 and rel_err(tri, ref) < 1e-2
+        assert (tri.float() - ref.float()).abs().le(ref.float().abs() * 2**-7 + 1e-3).all()
+
+
 @pytest.mark.parametrize("num_tokens,num_q_heads,num_k_heads", [(1, 16, 16), (2048, 16, 16), (77, 32, 4)])
 def test_rope_bf16_equals_the_torch_form(num_tokens, num_q_heads, num_k_heads):
     """bf16 on the GPU: each product rounded before the sum, as transformers' form rounds it, so bit for bit."""

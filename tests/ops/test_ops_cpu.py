@@ -38,6 +38,13 @@ def test_opcheck_rms_norm():
     torch.library.opcheck(torch.ops.rimuru.rms_norm.default, (torch.randn(5, 3, 24), torch.randn(24), 1e-6))
 
 
+def test_opcheck_fused_elementwise():
+    x, residual, weight = torch.randn(5, 24), torch.randn(5, 24), torch.randn(24)
+    torch.library.opcheck(torch.ops.rimuru.add_rms_norm.default, (x, residual, weight, 1e-6))
+    torch.library.opcheck(torch.ops.rimuru.silu_and_mul.default, (torch.randn(5, 16),))
+    torch.library.opcheck(torch.ops.rimuru.sigmoid_gated_add.default, (x, torch.randn(5, 1), residual))
+
+
 def test_opcheck_rope():
     q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
     angles = torch.randn(5, 8).repeat(1, 2)
