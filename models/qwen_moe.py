@@ -68,16 +68,21 @@ class SparseMoeBlock(nn.Module):
         if self.shared_expert is None:
             return
         gate_up, gate = self.shared_expert.gate_up_proj, self.shared_expert_gate
-        stacked = torch.cat((gate_up.weight.detach(), gate.weight.detach()))  # [2F + 1, D]
-        gate_up.weight.data, gate.weight.data = stacked[:-1], stacked[-1:]
+        rows = gate_up.weight.shape[0]
+        # NOTE: padded to 8 rows: an output row of 2F + 1 values is not 16-byte aligned, and cuBLAS then falls back
+        # to a GEMM several times slower than the aligned one (docs/benchmarks/engine.md)
+        stacked = gate_up.weight.new_zeros(rows + 8, gate_up.weight.shape[1])  # [2F + 8, D]
+        stacked[:rows], stacked[rows] = gate_up.weight.detach(), gate.weight.detach()[0]
+        gate_up.weight.data, gate.weight.data = stacked[:rows], stacked[rows : rows + 1]
         self.register_buffer("shared_gate_up_gate", stacked, persistent=False)
 
     def shared_expert_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, D]
         """The shared expert's gate logits [T, 1] and its output [T, D]."""
         if getattr(self, "shared_gate_up_gate", None) is None:
             return self.shared_expert_gate(x), self.shared_expert(x)
-        projected = nn.functional.linear(x, self.shared_gate_up_gate)  # [T, 2F + 1]
-        return projected[:, -1:], self.shared_expert.down_proj(ops.silu_and_mul(projected[:, :-1]))
+        rows = self.shared_expert.gate_up_proj.weight.shape[0]  # 2F
+        projected = nn.functional.linear(x, self.shared_gate_up_gate)  # [T, 2F + 8]
+        return projected[:, rows : rows + 1], self.shared_expert.down_proj(ops.silu_and_mul(projected[:, :rows]))
 
 
 class DecoderLayer(nn.Module):
