@@ -90,6 +90,11 @@ def _allocate(model: QwenMoeForCausalLM, device, dtype) -> tuple[dict[str, torch
     params = {name: torch.empty(shapes[name].shape, device=device, dtype=dtype)
               for name in dict.fromkeys(name for name, _, _ in layout.values())}  # fmt: skip
     weights = {key: params[name].narrow(0, row, shape[0]) for key, (name, row, shape) in layout.items()}
+    filled = {}
+    for name, row, shape in layout.values():
+        filled[name] = max(filled.get(name, 0), row + shape[0])
+    for name, rows in filled.items():
+        params[name][rows:].zero_()  # alignment padding past a stacked projection's parts: no key fills it
     return params, weights
 
 

@@ -19,6 +19,26 @@ from rimuru.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
 from rimuru.models.pieces import Pieces, RoutingPoint, run_pieces
 
 
+class GatedSharedExpert(nn.Module):
+    """qwen2_moe's shared expert and its sigmoid gate: gate rows, up rows and the gate's row are one projection, one
+    GEMM (a GEMM of the gate's single output column costs as much as a small one), padded to 8 rows past them.
+
+    NOTE: an output row of 2F + 1 values is not 16-byte aligned, and cuBLAS then falls back to a GEMM several times
+    slower than the aligned one (docs/benchmarks/engine.md); the padding rows are zero and their outputs unread."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int):
+        super().__init__()
+        self.intermediate_size = intermediate_size
+        self.gate_up_gate_proj = nn.Linear(hidden_size, 2 * intermediate_size + 8, bias=False)
+        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, D]
+        """The gate's logits [T, 1] and the expert's output [T, D]."""
+        rows = 2 * self.intermediate_size
+        projected = self.gate_up_gate_proj(x)  # [T, 2F + 8]
+        return projected[:, rows : rows + 1], self.down_proj(ops.silu_and_mul(projected[:, :rows]))
+
+
 class SparseMoeBlock(nn.Module):
     """Router (`gate`), routed experts through `rimuru.ops.paged_moe`, and qwen2_moe's optional shared expert."""
 
@@ -28,10 +48,18 @@ class SparseMoeBlock(nn.Module):
         self.top_k, self.norm_topk_prob = config.num_experts_per_tok, config.norm_topk_prob
         self.num_features = config.moe_intermediate_size
         self.gate = nn.Linear(config.hidden_size, config.num_experts, bias=False)
-        self.shared_expert, self.shared_expert_gate = None, None
+        self.shared_expert = None
         if config.shared_expert_intermediate_size > 0:
-            self.shared_expert = MLP(config.hidden_size, config.shared_expert_intermediate_size)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
+            self.shared_expert = GatedSharedExpert(config.hidden_size, config.shared_expert_intermediate_size)
+
+    def stacked_parts(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """The checkpoint's shared-expert projections and gate in the stacked one, with their rows (the loader's map;
+        names relative to this block)."""
+        if self.shared_expert is None:
+            return {}
+        f = self.shared_expert.intermediate_size
+        return {"shared_expert.gate_up_gate_proj": (("shared_expert.gate_proj", f), ("shared_expert.up_proj", f),
+                                                    ("shared_expert_gate", 1))}  # fmt: skip
 
     def keep_router_in_fp32(self) -> None:
         """The router's weight kept in fp32, so a step does not cast it again; the loader calls this once loaded.
@@ -59,30 +87,8 @@ class SparseMoeBlock(nn.Module):
         host = ctx.host_experts.get(self.layer_idx) if ctx.host_experts else None
         out = ops.paged_moe(x, ctx.expert_view, page_table, topk_ids, topk_weights, self.num_features, host)  # [T, D]
         if self.shared_expert is not None:
-            out = ops.sigmoid_gated_add(out, *self.shared_expert_and_gate(x))
+            out = ops.sigmoid_gated_add(out, *self.shared_expert(x))
         return out
-
-    def stack_shared_expert_gate(self) -> None:
-        """The shared expert's gate row stacked under its gate/up weight, both parameters views of one tensor, so
-        one GEMM computes both (a GEMM of one output column costs as much as a small one); the loader calls this."""
-        if self.shared_expert is None:
-            return
-        gate_up, gate = self.shared_expert.gate_up_proj, self.shared_expert_gate
-        rows = gate_up.weight.shape[0]
-        # NOTE: padded to 8 rows: an output row of 2F + 1 values is not 16-byte aligned, and cuBLAS then falls back
-        # to a GEMM several times slower than the aligned one (docs/benchmarks/engine.md)
-        stacked = gate_up.weight.new_zeros(rows + 8, gate_up.weight.shape[1])  # [2F + 8, D]
-        stacked[:rows], stacked[rows] = gate_up.weight.detach(), gate.weight.detach()[0]
-        gate_up.weight.data, gate.weight.data = stacked[:rows], stacked[rows : rows + 1]
-        self.register_buffer("shared_gate_up_gate", stacked, persistent=False)
-
-    def shared_expert_and_gate(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, D]
-        """The shared expert's gate logits [T, 1] and its output [T, D]."""
-        if getattr(self, "shared_gate_up_gate", None) is None:
-            return self.shared_expert_gate(x), self.shared_expert(x)
-        rows = self.shared_expert.gate_up_proj.weight.shape[0]  # 2F
-        projected = nn.functional.linear(x, self.shared_gate_up_gate)  # [T, 2F + 8]
-        return projected[:, rows : rows + 1], self.shared_expert.down_proj(ops.silu_and_mul(projected[:, :rows]))
 
 
 class DecoderLayer(nn.Module):
@@ -147,28 +153,27 @@ class QwenMoeForCausalLM(nn.Module):
             self.lm_head.weight = self.model.embed_tokens.weight
 
     def prepare_loaded_weights(self) -> None:
-        """Each router's weight in fp32 where a step needs it, each shared expert's gate stacked with its gate/up
-        weight; the loader calls this once the weights are in."""
+        """Each router's weight in fp32 where a step needs it; the loader calls this once the weights are in."""
         for module in self.modules():
             if isinstance(module, SparseMoeBlock):
                 module.keep_router_in_fp32()
-                module.stack_shared_expert_gate()
 
     def checkpoint_layout(self) -> dict[str, tuple[str, int, torch.Size]]:
         """Checkpoint key -> (parameter name, first row, shape) of every non-expert weight: a stacked projection
-        (`stacked_parts`: QKV, each MLP's gate and up) takes its parts' rows in order. Without `lm_head.weight` when
+        (`stacked_parts`: QKV, each MLP's gate and up, the shared expert's gate, up and gate row) takes its parts' rows in order. Without `lm_head.weight` when
         tied.
 
         NOTE: under `accelerate.init_empty_weights` the tie in `__init__` is replaced by two meta tensors, so the
         tie is read from the config here, not from parameter identity."""
-        stacked = {f"{prefix}.{name}": parts for prefix, module in self.named_modules()
+        stacked = {f"{prefix}.{name}": (prefix, parts) for prefix, module in self.named_modules()
                    if hasattr(module, "stacked_parts") for name, parts in module.stacked_parts().items()}  # fmt: skip
         layout = {}
         for name, param in self.named_parameters(remove_duplicate=False):
             owner, _, kind = name.rpartition(".")  # "model.layers.0.self_attn.qkv_proj", "weight"
+            prefix, parts = stacked.get(owner, ("", ()))  # parts named relative to the module that stacks them
             row = 0
-            for part, rows in stacked.get(owner, ()):
-                layout[f"{owner.rpartition('.')[0]}.{part}.{kind}"] = (name, row, torch.Size((rows, *param.shape[1:])))
+            for part, rows in parts:
+                layout[f"{prefix}.{part}.{kind}"] = (name, row, torch.Size((rows, *param.shape[1:])))
                 row += rows
             if owner not in stacked:
                 layout[name] = (name, 0, param.shape)

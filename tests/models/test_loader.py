@@ -201,3 +201,25 @@ def test_router_regimes_move_popularity_with_the_tokens(tmp_path):
         next_tokens.append(int(logits[-1].argmax()))
     assert (favourites[0] != favourites[1]).any()  # the favourites move with the tokens
     assert all(half.start <= token < half.stop for half, token in zip(halves, next_tokens))
+
+
+@pytest.mark.parametrize("load_format", ["auto", "dummy"])
+def test_every_parameter_is_the_tensor_allocated_before_loading(baseline, load_format, monkeypatch):
+    """A weight replaced after loading (stacked anew, padded, cast) frees its first tensor: on a GPU the caching
+    allocator keeps that hole reserved beside the pool, over the budget. The stacked shared-expert projection's
+    padding rows are zero."""
+    import rimuru.models.loader as loader
+
+    allocated, allocate = {}, loader._allocate
+
+    def recording(model, device, dtype):
+        params, weights = allocate(model, device, dtype)
+        allocated.update({name: t.data_ptr() for name, t in params.items()})
+        return params, weights
+
+    monkeypatch.setattr(loader, "_allocate", recording)
+    model = from_pretrained(baseline[0], load_format=load_format, progress=False).model
+    assert {name: p.data_ptr() for name, p in model.named_parameters()} == allocated
+    block = next(layer.mlp for layer in model.model.layers if getattr(layer.mlp, "shared_expert", None) is not None)
+    rows = 2 * block.shared_expert.intermediate_size + 1
+    assert block.shared_expert.gate_up_gate_proj.weight[rows:].eq(0).all()
