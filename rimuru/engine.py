@@ -23,6 +23,7 @@ from rimuru.expert_ranking import find_ranking
 from rimuru.expert_store import ExpertStore
 from rimuru.kv_cache import KVCacheManager
 from rimuru.kv_swap import KVSwap
+from rimuru.linear_state_cache import LinearStateCache
 from rimuru.memory import KV, MemoryPool, PageAllocator, fitting_page_tokens, page_sizes_for_model
 from rimuru.memory_plan import estimated_reserve, plan_memory
 from rimuru.memory_profile import ProfileShapes, profile_step_memory
@@ -48,11 +49,9 @@ class Engine:
     def __init__(self, config: EngineConfig):
         folder = resolve_folder(config.model)
         model_config = ModelConfig.from_hf(folder)
-        if model_config.linear_layer_ids:
-            raise ValueError(f"{model_config.architecture!r} has linear-attention layers, which the engine does not "
-                             "schedule yet (their state pages are not wired in)")  # fmt: skip
         requested_max_model_len = config.max_model_len
         config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
+        check_hybrid_options(model_config, config)
         page_tokens = fitting_page_tokens(model_config, config.page_tokens)
         if page_tokens != config.page_tokens:
             logger.warning("KV pages of %d tokens: %d tokens' K and V do not fit in an expert page", page_tokens,
@@ -65,7 +64,7 @@ class Engine:
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
         self.model_config = self.loaded.config
         self.step_memory = None  # what a step takes outside the pool, where profiled (`rimuru.memory_profile`)
-        wants_graphs = graphs_wanted(config.cuda_graphs, self.device)
+        wants_graphs = graphs_wanted(config.cuda_graphs, self.device) and not model_config.linear_layer_ids
         self._build_pool(wants_graphs)
         scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
         self._place_experts(folder)
@@ -81,9 +80,12 @@ class Engine:
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         swap = KVSwap(self.kv_cache, self.pool.kv_view(), self.pool.num_bytes) if config.preemption == "swap" else None
-        self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages, swap)
+        linear_layers = len(self.model_config.linear_layer_ids)
+        self.states = LinearStateCache(self.allocator, linear_layers) if linear_layers else None
+        self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages, swap, self.states)
+        state_views = (self.pool.ssm_view(), self.pool.conv_view()) if linear_layers else None
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
-                                  graphs)  # fmt: skip
+                                  graphs, self.states, state_views)  # fmt: skip
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.tokenizer = load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, eos_token_ids(folder, self.model_config))
@@ -398,6 +400,19 @@ def _host_memory_within(needed: int, wait_s: float) -> int:
         time.sleep(0.5)
         available = host_memory(available=True)
     return available
+
+
+def check_hybrid_options(model_config: ModelConfig, config: EngineConfig) -> None:
+    """A hybrid model runs eagerly on the CPU for now: one line naming the option or the device it cannot have."""
+    if not model_config.linear_layer_ids:
+        return
+    arch = model_config.architecture
+    if config.cuda_graphs:
+        raise ValueError(f"cuda_graphs: {arch!r} has linear-attention layers, whose steps are not captured yet; "
+                         "leave cuda_graphs unset")  # fmt: skip
+    if config.device is not None and torch.device(config.device).type == "cuda":
+        raise ValueError(f"device: {arch!r} has linear-attention layers, which run on the CPU only until their GPU "
+                         "kernels land; use device='cpu'")  # fmt: skip
 
 
 def _device_bytes(model: torch.nn.Module) -> int:

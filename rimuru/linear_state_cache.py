@@ -7,7 +7,7 @@ belong to `(request_id, "state")`, so freeing a request's KV never frees its sta
 
 import torch
 
-from rimuru.memory import CONV, SSM, PageAllocator
+from rimuru.memory import CONV, KV, SSM, PageAllocator
 
 
 class LinearStateCache:
@@ -28,6 +28,11 @@ class LinearStateCache:
         sizes, layers = self.allocator.sizes, self.num_linear_layers
         ssm = -(-layers * sizes.ssm_page_stride // sizes.expert_page_bytes)
         return ssm + self.allocator.expert_pages_for(layers, CONV)
+
+    def kv_pages_per_request(self) -> int:
+        """One request's state as KV pages (all layers together): the shortfall the scheduler records when it is
+        refused, in the unit the adjuster is told KV shortfalls in."""
+        return self.expert_pages_per_request() * self.allocator.children[KV]
 
     def allocate(self, request_id: str) -> bool:
         """Every layer's SSM and conv page for a new request; False (and nothing taken) when the pool cannot give

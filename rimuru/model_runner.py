@@ -7,13 +7,14 @@ static buffers: the graphs gather the page tables from the KV cache's device cop
 """
 
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
 from rimuru.expert_manager import ExpertManager
 from rimuru.kv_cache import KVCacheManager
+from rimuru.linear_state_cache import LinearStateCache
 from rimuru.models import ForwardContext, QwenMoeForCausalLM
 from rimuru.scheduler import ScheduledBatch
 from rimuru.step_graphs import StepGraphs
@@ -30,6 +31,7 @@ class StepInputs:
     seq_lens: torch.Tensor  # [B] int32
     logits_indices: torch.Tensor  # [B'] int64
     sample_rows: list[int]  # batch rows of the B' logits
+    request_ids: list[str] = field(default_factory=list)  # [B], whose state pages a hybrid model's linear layers read
 
     @property
     def is_decode(self) -> bool:
@@ -39,9 +41,11 @@ class StepInputs:
 
 class ModelRunner:
     def __init__(self, model: QwenMoeForCausalLM, kv_cache: KVCacheManager, kv_view: torch.Tensor,
-                 experts: ExpertManager, graphs: StepGraphs | None = None):  # fmt: skip
+                 experts: ExpertManager, graphs: StepGraphs | None = None, states: LinearStateCache | None = None,
+                 state_views: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
         self.model, self.kv_cache, self.kv_view, self.experts = model, kv_cache, kv_view, experts
         self.graphs = graphs
+        self.states, self.state_views = states, state_views  # a hybrid model's state pages: (SSM view, conv view)
         self.device = kv_view.device
         self.num_graph_steps = 0  # steps run as graph replays
 
@@ -91,7 +95,18 @@ class ModelRunner:
             logits_indices=inputs.logits_indices.to(dev, non_blocking=True),
             on_routing=hook,
             host_experts=self.experts.host_experts,
+            **self._state_fields(inputs),
         )
+
+    def _state_fields(self, inputs: StepInputs) -> dict:
+        """A hybrid model's state pages of the batch, and whether each request's state holds earlier tokens."""
+        if self.states is None:
+            return {}
+        dev = self.device
+        ssm_ids, conv_ids = self.states.state_tables(inputs.request_ids, dev)  # [L_linear, B] each
+        first_positions = inputs.positions[inputs.query_start_loc[:-1].long()]  # [B]
+        return dict(ssm_view=self.state_views[0], conv_view=self.state_views[1], ssm_state_ids=ssm_ids,
+                    conv_state_ids=conv_ids, state_continues=(first_positions > 0).to(dev))  # fmt: skip
 
 
 def step_inputs(batch: ScheduledBatch, slot_of) -> StepInputs:
@@ -108,6 +123,7 @@ def step_inputs(batch: ScheduledBatch, slot_of) -> StepInputs:
         input_ids=_int_tensor([t for r, a, b in zip(requests, starts, ends) for t in r.token_ids(a, b)], np.int64),
         positions=_int_tensor([p for a, b in zip(starts, ends) for p in range(a, b)], np.int64),
         slots=_int_tensor([slot_of(request.request_id) for request in requests], np.int64),
+        request_ids=[request.request_id for request in requests],
         query_start_loc=_int_tensor(query_starts, np.int32),
         seq_lens=_int_tensor(ends, np.int32),
         logits_indices=_int_tensor([query_starts[row + 1] - 1 for row in sample_rows], np.int64),

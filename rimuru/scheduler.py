@@ -11,6 +11,10 @@ been; with a `KVSwap` its pages are copied to the host instead and back when it 
 kept (`rimuru/kv_swap.py`). The KV pages the round was short of, admissions refused included, are recorded for the adjuster. While the
 adjuster can still evict experts to cover them (`reclaimable_expert_pages`), a request that does not fit simply sits
 this round out instead of being preempted: the evicted experts' pages serve it next round.
+
+A hybrid model's request also holds its linear-attention state (`LinearStateCache`): taken whole at admission,
+before its KV, counted in the admission forecast and in the round's shortfall, and given back when it finishes or is
+preempted (always by recompute: its state is not a copy of its tokens, so it is rebuilt from them).
 """
 
 import time
@@ -21,6 +25,7 @@ from dataclasses import dataclass, field
 from rimuru.admission import GrowthForecast
 from rimuru.kv_cache import KVCacheManager
 from rimuru.kv_swap import KVSwap
+from rimuru.linear_state_cache import LinearStateCache
 from rimuru.request import Request, RequestStatus
 
 REFUSAL_ROUNDS = 4  # rounds a forecast's refusal stands while nothing but decoding changes
@@ -51,10 +56,11 @@ class ScheduledBatch:
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_cache: KVCacheManager,
                  reclaimable_expert_pages: Callable[[bool], int] = lambda stalled: 0,
-                 swap: KVSwap | None = None):  # fmt: skip
+                 swap: KVSwap | None = None, states: LinearStateCache | None = None):  # fmt: skip
         self.config = config
         self.kv_cache = kv_cache
-        self.swap = swap  # None: a preempted request recomputes its prompt
+        self.swap = swap if states is None else None  # None: a preempted request recomputes its prompt
+        self.states = states  # a hybrid model's linear-attention state pages; None: the model has none
         self.reclaimable_expert_pages = reclaimable_expert_pages
         self._unmet_pages = 0  # KV pages asked for this round and not granted
         self._refused_pages = 0  # KV pages the forecast lacked to admit the next waiting request this round
@@ -144,6 +150,7 @@ class Scheduler:
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         if self.swap is None or not self.swap.save(request):
             self.kv_cache.free(request.request_id)
+            self._free_state(request)
             request.num_computed_tokens = 0
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
@@ -179,7 +186,13 @@ class Scheduler:
                 self._refusal = (key, self._refused_pages, REFUSAL_ROUNDS - 1) if fresh else None
                 return
             target = request.num_computed_tokens + num_new
+            if not self._state_taken(request):
+                if not self._adjuster_can_cover(self.states.kv_pages_per_request()) and not self.running:
+                    raise MemoryError(f"request {request.request_id} needs its linear-attention state, more than the "
+                                      "pool holds")  # fmt: skip
+                return
             if not self._restored(request) or not self.kv_cache.allocate(request.request_id, target):
+                self._free_state(request)  # a waiting request holds no pages
                 if self._adjuster_can_cover(self.kv_cache.num_new_pages(request.request_id, target)):
                     return
                 if not self.running:
@@ -193,6 +206,14 @@ class Scheduler:
             batch.add(request, num_new)
             budget -= num_new
 
+    def _state_taken(self, request: Request) -> bool:
+        """A hybrid request's state pages, taken before its KV; False when the pool cannot give them all."""
+        return self.states is None or self.states.holds(request.request_id) or self.states.allocate(request.request_id)
+
+    def _free_state(self, request: Request) -> None:
+        if self.states is not None and self.states.holds(request.request_id):
+            self.states.free(request.request_id)
+
     def _restored(self, request: Request) -> bool:
         """A request whose KV was saved at preemption gets it back in fresh pages; False when the pool is short."""
         return self.swap is None or not self.swap.holds(request.request_id) or self.swap.restore(request)
@@ -204,6 +225,7 @@ class Scheduler:
         if reason != "abort":
             self.forecast.observe_finished(request)
         self.kv_cache.free(request.request_id)
+        self._free_state(request)
         if self.swap is not None:
             self.swap.drop(request.request_id)
         if request in self.running:
@@ -222,13 +244,19 @@ class _Admission:
         self.capacity = scheduler._capacity_pages()
         self.peak = self.forecast.peak_pages(self.running)
         self.lacking = 0  # pages a layer the last refused request lacked
+        # a hybrid request's state pages, as KV pages a layer: held from admission to its end, like its final KV
+        states, layers = scheduler.states, scheduler.kv_cache.num_layers
+        self.state_pages = 0 if states is None else -(-states.kv_pages_per_request() // layers)
+        self.num_running = len(self.running)  # requests admitted this round join `running` after these
 
     def admits(self, request: Request) -> bool:
         """Whether the pool carries `request` too; the bound then counts it, as the caller admits it or stops."""
         final = -(-(request.num_tokens + self.forecast.remaining(request)) // self.forecast.page_tokens)
-        if self.peak + final <= self.capacity:
-            self.peak += final
+        if self.peak + final + self.state_pages <= self.capacity:
+            self.peak += final + self.state_pages
             return True
-        self.peak = self.forecast.peak_pages(self.running + [request])
+        # running requests' states are held already: only the newly admitted ones' count against the capacity
+        states = self.state_pages * (len(self.running) - self.num_running + 1)
+        self.peak = self.forecast.peak_pages(self.running + [request]) + states
         self.lacking = max(0, self.peak - self.capacity)
         return self.lacking == 0

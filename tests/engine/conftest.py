@@ -24,6 +24,7 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Hugging Face transformers' greedy `generate`, fp32 on CPU, one prompt at a time, EOS ignored."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    model.generation_config.eos_token_id = None  # else generate takes the checkpoint's EOS back and stops there
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
     outputs = []
     with torch.no_grad():

@@ -1,0 +1,78 @@
+"""A hybrid model through the engine (Qwen3-Next: Gated DeltaNet layers on each side of gated attention): greedy
+tokens equal Hugging Face's under every memory policy, across prompt chunks and through preemption, and each
+request's state pages are taken at admission and given back when it ends."""
+
+import pytest
+import transformers
+
+from rimuru import LLM
+from rimuru.memory import CONV, SSM
+from rimuru.models import fabricate
+from tests.engine.conftest import MAX_TOKENS, expect_no_growth, hf_greedy, make_prompts
+from tests.engine.test_experts import GREEDY
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory):
+    """(checkpoint folder, prompts, Hugging Face's greedy outputs) of a tiny Qwen3-Next."""
+    folder = fabricate(tmp_path_factory.mktemp("qwen3_next"), arch="qwen3_next")
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)
+    return folder, prompts, hf_greedy(folder, prompts, MAX_TOKENS)
+
+
+def hybrid_budget(folder: str, kv_tokens: int, num_states: int, offload: int) -> int:
+    """Room for two loading buffers of `offload` experts, every expert, KV for `kv_tokens` tokens in each attention
+    layer and the linear-attention state of `num_states` requests."""
+    engine = LLM(folder, progress=False, expert_policy="resident").engine
+    plan, sizes, config = engine.memory_plan, engine.pool.sizes, engine.model_config
+    kv_pages = -(-kv_tokens // sizes.page_tokens) * len(config.attention_layer_ids)
+    pages = (engine.experts.num_expert_pages + 2 * offload * 3 + -(-kv_pages // sizes.kv_pages_per_expert_page)
+             + num_states * engine.states.expert_pages_per_request())  # fmt: skip
+    return plan.weights_bytes + plan.activation_bytes + pages * sizes.expert_page_bytes
+
+
+def generate(folder: str, prompts, **options):
+    """(engine, greedy tokens); every state page given back at the end."""
+    llm = LLM(folder, progress=False, **options)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    engine = llm.engine
+    engine.allocator.check_integrity()
+    assert engine.allocator.num_used_pages(SSM) == engine.allocator.num_used_pages(CONV) == 0
+    return engine, tokens
+
+
+def test_hybrid_tokens_equal_hugging_face_under_every_policy(hybrid):
+    folder, prompts, expected = hybrid
+    resident, tokens = generate(folder, prompts, expert_policy="resident")
+    assert tokens == expected and resident.peak_running > 1  # a batch of states, not one request at a time
+    budget = hybrid_budget(folder, kv_tokens=60, num_states=3, offload=2)
+    fixed, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_policy="fixed", offload_per_layer=2)
+    assert tokens == expected and fixed.experts.num_offloaded > 0
+    elastic, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper")
+    assert tokens == expected and elastic.expert_stats["evictions"] > 0
+
+
+def test_hybrid_prompt_chunks_carry_the_state_exactly(hybrid):
+    """Prompts of up to 40 tokens in chunks of at most 8 tokens a step: each chunk starts from the state the last
+    one left in the request's pages."""
+    folder, prompts, expected = hybrid
+    engine, tokens = generate(folder, prompts, expert_policy="resident", max_num_batched_tokens=8, max_num_seqs=4)
+    assert tokens == expected
+    assert engine.num_steps > sum(-(-len(p) // 8) for p in prompts) // 4  # prompts took several steps
+
+
+def test_hybrid_preemption_recomputes_the_state(hybrid, monkeypatch):
+    """Admitted on today's pages, the batch outgrows a pool with room for two states: preempted requests give
+    their state back and rebuild it from their tokens."""
+    folder, prompts, expected = hybrid
+    expect_no_growth(monkeypatch)
+    budget = hybrid_budget(folder, kv_tokens=48, num_states=2, offload=0)
+    engine, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_policy="resident")
+    assert engine.scheduler.num_preemptions > 0
+    assert tokens == expected
+
+
+def test_hybrid_options_it_cannot_serve_are_refused_in_one_line(hybrid):
+    folder = hybrid[0]
+    with pytest.raises(ValueError, match="^cuda_graphs: 'qwen3_next' has linear-attention layers"):
+        LLM(folder, progress=False, cuda_graphs=True)
