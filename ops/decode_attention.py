@@ -2,8 +2,8 @@
 
 Owns one Triton kernel and its launcher, `rimuru.ops.paged_attention`'s path for unsplit decode batches;
 `tools/kernels/decode_attention.py` times the variants against the general kernel, and the winner is the decode
-config there (H200, 64 requests x 1024 tokens, Qwen3-30B-A3B heads: 48.0 us with all flags but PERSISTENT against
-62.4 us in the general kernel, one run). The reference is `rimuru.ops.reference.paged_attention`.
+config there (docs/benchmarks/kernels.md: faster than the general kernel on the H200 with all flags but
+PERSISTENT). The reference is `rimuru.ops.reference.paged_attention`.
 
 A work item is (request b, kv head): the GROUP query heads of that kv head against all of b's K/V, read once.
 Unlike the general kernel there is no binary search for the request and no causal mask (a decode query sees its

@@ -29,8 +29,8 @@ from rimuru.ops.dependent_launch import launch_options, pdl_supported, wait_for_
 CHUNK = 128  # pairs a sort program holds in registers at most: its [tile, E] one-hot tiles
 ONE_PROGRAM_CHUNKS = 1  # up to this many CHUNKs of pairs the whole sort is one launch of one program
 # count + scatter take tiles smaller than CHUNK while that keeps at least this many programs: the [tile, E]
-# one-hot tiles are the kernels' work (the two launches took 19.9 us for Qwen3's 512 pairs on the H200, 15 us over
-# an almost empty graph, in 128-pair tiles)
+# one-hot tiles are the kernels' work (with 128-pair tiles most of the two launches' time was the graph's own
+# floor on the H200: docs/benchmarks/kernels.md, the sort)
 COUNT_PROGRAMS = 16
 # a tile holds at most this many one-hot entries: [128, 64] for Qwen1.5's 60 experts, [64, 128] for Qwen3's 128.
 # A [128, 128] tile takes 190 registers a thread at 8 warps (ptxas for sm_90, no spills): one program an SM
@@ -40,8 +40,8 @@ TILE_ENTRIES = 128 * 64
 MAX_SORT_PROGRAMS = 128
 # past this many count-table entries (chunks x padded experts) one program scans the table into each chunk's first
 # rows (a third launch) instead of every scatter program summing all the chunks before its own, a sum that grows with
-# the table. H200 at 5856858 (kernels.md): at 128 x 128 (Qwen3, 1,024 and 4,096 tokens) the scan won by 0.7-0.8 us,
-# at 32 x 64 and 128 x 64 (Qwen1.5) it lost by 2.4 us
+# the table. on the H200 (kernels.md) the scan won at 128 x 128 (Qwen3, 1,024 and 4,096 tokens)
+# and lost at 32 x 64 and 128 x 64 (Qwen1.5)
 SCAN_ABOVE_ENTRIES = 128 * 64
 SCAN_ENTRIES = 128 * 128  # the scan's tile: the whole table of MAX_SORT_PROGRAMS x 128 experts in one load
 ATOMIC_PAIRS_EACH, ATOMIC_TILE = 256, 256  # the atomic sort (`_atomic_count_and_scatter`): a program's pairs, a tile
@@ -397,8 +397,8 @@ def uses_pair_blocks(num_tokens: int, tuned: bool | None = None) -> bool:
 
 def gemm_layout(topk_ids: torch.Tensor, num_experts: int, block_m: int, tuned_pairs: bool | None = None,
                 atomic_sort: bool = False, pdl: bool = False):  # fmt: skip
-    """The M blocks the GEMMs run: `pair_blocks` for one token, whose top-k experts are distinct (the sort took
-    15.5 us of Qwen3's 50.7 us op at one token on the H200 and bought nothing), or where a tuned config says so
+    """The M blocks the GEMMs run: `pair_blocks` for one token, whose top-k experts are distinct (at one token
+    the sort was a third of Qwen3's op on the H200 and bought nothing: docs/benchmarks/kernels.md), or where a tuned config says so
     (`PAIR_BLOCKS`: a few tokens, whose experts seldom repeat; an expert two pairs share is read twice), else
     `align_tokens` (the atomic sort where a tuned config says `ATOMIC_SORT`)."""
     if uses_pair_blocks(topk_ids.shape[0], tuned_pairs):

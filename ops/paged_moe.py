@@ -20,9 +20,8 @@ host link (device-mapped pinned memory, no copy and no host synchronisation):
     gate/up element (n, k)  ->  host_gate/up + e * F * D + n * D + k
     down    element (n, t)  ->  host_down    + e * D * F + n * F + t
 
-Performance (H200, bf16, docs/benchmarks/kernels.md): both GEMMs over Qwen3-30B-A3B experts take 36 us at one token
-(51% of the memory roofline), 285 us at 64 tokens (99%), 788 us at 4096 (51% of the arithmetic roofline); the paged
-table costs at most 1 us over an identity table up to 1024 tokens.
+The GEMMs run near the memory roofline from a few dozen tokens on, and the paged table costs about as much as an
+identity table (docs/benchmarks/kernels.md).
 """
 
 import torch

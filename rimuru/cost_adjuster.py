@@ -85,7 +85,7 @@ def profitable_evictions(step_s: float, running: float, requests_per_expert: flo
     seconds a step is exposed to with 0, 1, 2, ... nominees gone. With n gone the batch gains n x
     `requests_per_expert` requests and the step `exposed_s[n] - exposed_s[0]` seconds; evict while
     (running + n g) / (step_s + delta_n) >= running / step_s, i.e. n g step_s >= running delta_n, with the cost
-    side weighed (1 + `band`) times. A 10 ms step of 20 requests, 0.2 requests an expert, each nominee 0.05 ms
+    side weighed (1 + `band`) times. A 0.010 s step of 20 requests, 0.2 requests an expert, each nominee 0.00005 s
     more: 2n >= 1n, all go (and with a band of 0.5, 2n >= 1.5n)."""
     exposed = iter(exposed_s)
     now = next(exposed, None)
@@ -264,8 +264,8 @@ class CostAdjuster:
             self.refresh_due = True  # the next nominees, before the scheduler runs out of evictions it may wait for
 
     def refresh_if_due(self) -> None:
-        """The refresh `observe` scheduled (about 1 ms of host work on the H200's host at Qwen1.5-MoE's 24 x 60
-        experts), run where the host would otherwise wait: the engine calls it once the next pass is launched,
+        """The refresh `observe` scheduled (host work that grows with the layers and experts,
+        docs/benchmarks/engine.md), run where the host would otherwise wait: the engine calls it once the next pass is launched,
         before the sampler waits for that pass. The round before it decides from the estimates one step older."""
         if self.refresh_due:
             self.refresh()
@@ -356,8 +356,7 @@ class CostAdjuster:
         """The link seconds a step (calibrated) of the next evictions, cheapest first, at most MAX_NOMINEES: each
         layer's coldest resident experts up to its offload cap, merged by share. These are the shares
         `Adjuster.eviction_order` nominates, which breaks ties by layer and id (a cost depends on the share alone).
-        A few tensor operations over [L, E], not a walk of each layer's ranking (0.2 ms a refresh on the development
-        machine for 64 nominees)."""
+        A few tensor operations over [L, E], not a walk of each layer's ranking (docs/benchmarks/engine.md)."""
         c, matrix = self.cost, self.popularity.matrix()
         budget = self.offload_limit - on_host.sum(dim=1, keepdim=True)  # [L, 1] more evictions each layer may take
         coldest = matrix.masked_fill(on_host, math.inf).sort(dim=1).values  # [L, E] resident shares, coldest first

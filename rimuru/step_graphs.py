@@ -1,6 +1,6 @@
 """`StepGraphs`: forward passes replayed as CUDA graphs, the expert hook running between replays.
 
-Eager decode of 200 requests spends 40 ms a step on the host launching kernels that keep an H200 busy for 14 ms
+Eager decode spends most of a step on the host launching kernels that keep the GPU busy for a third of it
 (docs/benchmarks/engine.md). Here the pieces of a pass between two MoE routings (`rimuru.models.pieces`) are
 captured once per shape, all in one memory pool: decode shapes for the batch sizes of `batch_sizes`, and with
 `mixed_sizes` (the default for elastic, `EngineConfig.mixed_cuda_graphs`) shapes for steps that mix prefill chunks

@@ -24,7 +24,7 @@ from rimuru.serving.timeline import Timeline
 logger = logging.getLogger("rimuru.serving")
 def leave_a_core_for_the_event_loop(device: str | None) -> None:
     """On CPU, torch's intra-op threads default to every core and spin against the event loop's thread (a tiny-model
-    step took 50 ms with two threads on two busy cores, 2.5 ms with one); one core stays free. OMP_NUM_THREADS wins."""
+    step was twenty times slower with two threads on two busy cores than with one); one core stays free. OMP_NUM_THREADS wins."""
     import torch
 
     on_cpu = (device or ("cuda" if torch.cuda.is_available() else "cpu")).startswith("cpu")
