@@ -10,13 +10,15 @@ from dataclasses import dataclass, fields
 
 import torch
 
-SUPPORTED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "qwen3_next")
+SUPPORTED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe")
+HYBRID_ARCHITECTURES = ("qwen3_next", "qwen3_5_moe")  # Gated DeltaNet and gated attention layers
+STATE_DTYPES = ("float32",)  # `mamba_ssm_dtype`s the linear-attention kernels keep the recurrent state in
 LINEAR_ATTENTION, FULL_ATTENTION = "linear_attention", "full_attention"
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    architecture: str  # "qwen2_moe" | "qwen3_moe" | "qwen3_next" (the config's `model_type`)
+    architecture: str  # "qwen2_moe" | "qwen3_moe" | "qwen3_next" | "qwen3_5_moe" (the config's `model_type`)
     vocab_size: int
     hidden_size: int  # D
     num_hidden_layers: int  # L
@@ -24,7 +26,7 @@ class ModelConfig:
     num_key_value_heads: int  # Hk
     head_dim: int  # Dh
     moe_intermediate_size: int  # F of one routed expert
-    shared_expert_intermediate_size: int  # the gated shared expert of qwen2_moe and qwen3_next; 0 for qwen3_moe
+    shared_expert_intermediate_size: int  # the gated shared expert of qwen2_moe and the hybrids; 0 for qwen3_moe
     intermediate_size: int  # dense MLP of `mlp_only_layers`
     num_experts: int  # E
     num_experts_per_tok: int  # K
@@ -41,7 +43,7 @@ class ModelConfig:
     bos_token_id: int | None
     torch_dtype: torch.dtype
     initializer_range: float = 0.02
-    # hybrid models (qwen3_next): each layer's token mixer, and the Gated DeltaNet geometry of the linear ones
+    # hybrid models (qwen3_next, qwen3_5_moe): each layer's token mixer, and the Gated DeltaNet geometry of the linear ones
     layer_types: tuple[str, ...] = ()  # LINEAR_ATTENTION | FULL_ATTENTION a layer; empty: every layer full
     linear_num_key_heads: int = 0
     linear_num_value_heads: int = 0
@@ -53,12 +55,12 @@ class ModelConfig:
     @classmethod
     def from_hf(cls, source: dict | str | os.PathLike) -> "ModelConfig":
         """Parse a `config.json` given as a dict, the file, or the folder holding it."""
-        raw = _read_json(source)
+        raw = _text_config(_read_json(source))
         arch = raw.get("model_type", "")
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}: Rimuru serves {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = raw["num_attention_heads"]
-        gated_shared_expert = arch in ("qwen2_moe", "qwen3_next")
+        gated_shared_expert = arch in ("qwen2_moe", *HYBRID_ARCHITECTURES)
         return cls(
             architecture=arch,
             vocab_size=raw["vocab_size"],
@@ -85,7 +87,7 @@ class ModelConfig:
             bos_token_id=raw.get("bos_token_id"),
             torch_dtype=_dtype(raw.get("torch_dtype") or raw.get("dtype") or "bfloat16"),
             initializer_range=raw.get("initializer_range", 0.02),
-            **(_hybrid_fields(raw) if arch == "qwen3_next" else {}),
+            **(_hybrid_fields(raw) if arch in HYBRID_ARCHITECTURES else {}),
         )
 
     def is_moe_layer(self, layer_idx: int) -> bool:
@@ -117,12 +119,28 @@ class ModelConfig:
         return ModelConfig(**(values | changes))
 
 
+def _text_config(raw: dict) -> dict:
+    """Qwen3.5's config as its text model's: a composite checkpoint's `text_config` (the vision tower's config
+    dropped, the outer dtype and tie used where the text config has none) and the text-only `qwen3_5_moe_text`, both
+    served as `qwen3_5_moe`."""
+    if raw.get("model_type") == "qwen3_5_moe" and "text_config" in raw:
+        outer = {key: raw[key] for key in ("torch_dtype", "dtype", "tie_word_embeddings") if key in raw}
+        raw = outer | raw["text_config"]
+    if raw.get("model_type") == "qwen3_5_moe_text":
+        raw = raw | {"model_type": "qwen3_5_moe"}
+    return raw
+
+
 def _hybrid_fields(raw: dict) -> dict:
     """A hybrid config's layer kinds (`layer_types`, or every `full_attention_interval`-th layer full) and its
     linear-attention geometry."""
     layers, interval = raw["num_hidden_layers"], raw.get("full_attention_interval", 4)
     types = raw.get("layer_types") or [FULL_ATTENTION if (i + 1) % interval == 0 else LINEAR_ATTENTION
                                        for i in range(layers)]  # fmt: skip
+    state_dtype = raw.get("mamba_ssm_dtype") or "float32"
+    if state_dtype not in STATE_DTYPES:
+        raise ValueError(f"mamba_ssm_dtype {state_dtype!r}: Rimuru keeps the linear-attention state in "
+                         f"{', '.join(STATE_DTYPES)} only")  # fmt: skip
     unknown = sorted(set(types) - {LINEAR_ATTENTION, FULL_ATTENTION})
     if unknown:
         raise ValueError(f"layer_types holds {unknown}: Rimuru runs only {LINEAR_ATTENTION} and {FULL_ATTENTION} layers")

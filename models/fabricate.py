@@ -18,7 +18,7 @@ from rimuru.models.tiny_tokenizer import SPECIAL_TOKENS, train_tokenizer
 
 EXPERT_LAYOUTS = ("per_expert", "fused")
 _ARCHITECTURE_CLASSES = {"qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                         "qwen3_next": "Qwen3NextForCausalLM"}  # fmt: skip
+                         "qwen3_next": "Qwen3NextForCausalLM", "qwen3_5_moe_text": "Qwen3_5MoeForCausalLM"}  # fmt: skip
 
 
 def tiny_config(arch: str = "qwen2_moe", num_layers: int = 3, mlp_only_layers: tuple[int, ...] = ()) -> dict:
@@ -56,12 +56,26 @@ def tiny_config(arch: str = "qwen2_moe", num_layers: int = 3, mlp_only_layers: t
         cfg |= {"shared_expert_intermediate_size": 64, "qkv_bias": True}
     else:
         cfg |= {"attention_bias": False}
-    if arch == "qwen3_next":  # linear, full, linear, ...: a Gated DeltaNet layer on each side of gated attention
+    if arch in ("qwen3_next", "qwen3_5_moe_text"):  # linear, full, linear: Gated DeltaNet on each side of attention
         cfg |= {"shared_expert_intermediate_size": 48, "norm_topk_prob": True, "full_attention_interval": 2,
                 "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 8,
                 "linear_value_head_dim": 12, "linear_conv_kernel_dim": 4,
                 "rope_parameters": {"rope_theta": 10000.0, "rope_type": "default", "partial_rotary_factor": 0.5}}
+    if arch == "qwen3_5_moe_text":  # text positions: the three MRoPE sections of the 4 rotated pairs agree
+        cfg["rope_parameters"] |= {"mrope_section": [2, 1, 1], "mrope_interleaved": True}
+        cfg |= {"attn_output_gate": True, "mamba_ssm_dtype": "float32"}
     return cfg
+
+
+def composite_config(text: dict) -> dict:
+    """Qwen3.5's composite `config.json` around a text config: a vision tower the text model does not run."""
+    return {"architectures": ["Qwen3_5MoeForConditionalGeneration"], "model_type": "qwen3_5_moe",
+            "text_config": text, "vision_config": {"model_type": "qwen3_5_moe", "depth": 1, "hidden_size": 16},
+            "torch_dtype": text["torch_dtype"], "tie_word_embeddings": False}  # fmt: skip
+
+
+# tensors of a composite Qwen3.5 checkpoint outside its text model: the vision tower and the multi-token head
+_NOT_TEXT = {"model.visual.patch_embed.proj.weight": (16, 3, 2, 2), "mtp.fc.weight": (64, 128)}
 
 
 def fabricate(
@@ -80,21 +94,29 @@ def fabricate(
 
     expert_layout: "per_expert" (`mlp.experts.{e}.gate_proj.weight`, the layout of Qwen's releases) or "fused"
     (`mlp.experts.gate_up_proj` [E, 2F, D] with gate rows first, `mlp.experts.down_proj` [E, D, F], the layout of
-    transformers 5). prefix: the key prefix of the decoder, "model." or "model.language_model.". num_shards > 1
+    transformers 5). prefix: the key prefix of the decoder, "model." or "model.language_model."; arch "qwen3_5_moe" is
+    Qwen3.5's composite checkpoint (its text model under "model.language_model.", a vision tower and an MTP head
+    beside it), "qwen3_5_moe_text" its text model alone. num_shards > 1
     writes `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`. Same seed, same bytes.
     """
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     os.makedirs(out_dir, exist_ok=True)
-    hf_config = tiny_config(arch, num_layers, mlp_only_layers) | (config_overrides or {})
+    composite = arch == "qwen3_5_moe"
+    text_config = tiny_config("qwen3_5_moe_text" if composite else arch, num_layers, mlp_only_layers)
+    text_config |= config_overrides or {}
+    hf_config = composite_config(text_config) if composite else text_config
     config = ModelConfig.from_hf(hf_config)
     tensors = dict(random_weights(config, seed, init_std, expert_layout))
-    tensors = {_with_prefix(name, prefix): t for name, t in tensors.items()}
+    tensors = {_with_prefix(name, "model.language_model." if composite else prefix): t for name, t in tensors.items()}
+    if composite:
+        gen = torch.Generator().manual_seed(seed + 1)
+        tensors |= {name: torch.randn(shape, generator=gen) for name, shape in _NOT_TEXT.items()}
     _save_shards(tensors, out_dir, num_shards)
     _write_json(os.path.join(out_dir, "config.json"), hf_config)
-    eos = [hf_config["eos_token_id"], SPECIAL_TOKENS.index("<|im_end|>")]
+    eos = [text_config["eos_token_id"], SPECIAL_TOKENS.index("<|im_end|>")]
     _write_json(os.path.join(out_dir, "generation_config.json"), {"bos_token_id": 0, "eos_token_id": eos})
-    train_tokenizer(hf_config["vocab_size"]).save_pretrained(out_dir)
+    train_tokenizer(text_config["vocab_size"]).save_pretrained(out_dir)
     return os.fspath(out_dir)
 
 

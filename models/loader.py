@@ -5,6 +5,7 @@ Owns building the module on the meta device and materialising each tensor once: 
 puts the routed experts on the GPU: copying them into pool pages is the expert store's job.
 """
 
+import logging
 import os
 from dataclasses import dataclass
 
@@ -24,6 +25,10 @@ from rimuru.models.checkpoint import (
 from rimuru.models.config import ModelConfig
 from rimuru.models.dummy import apply_router_skew, dummy_experts, fill_dummy_weights
 from rimuru.models.qwen_moe import QwenMoeForCausalLM, model_class
+
+logger = logging.getLogger("rimuru")
+# a composite Qwen3.5 checkpoint's tensors outside the text model: its vision tower and multi-token-prediction head
+NOT_TEXT_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
 @dataclass
@@ -105,12 +110,15 @@ def _read_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, fold
     collector = ExpertCollector(
         config.moe_layer_ids, config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype
     )
-    read, unexpected = set(), []
+    read, unexpected, not_text = set(), [], 0
     files = safetensors_files(folder)
     with tqdm(total=len(files), desc="Loading shards", unit="shard", disable=not progress) as bar:
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as f:
                 for key in f.keys():
+                    if key.startswith(NOT_TEXT_PREFIXES):
+                        not_text += 1
+                        continue
                     name = canonical_key(key)
                     parsed = parse_expert_key(name)
                     if parsed is not None:
@@ -127,6 +135,9 @@ def _read_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, fold
                     if not accepted:
                         unexpected.append(key)
             bar.update(1)
+    if not_text:
+        logger.info("skipped %d tensors of the vision tower and the multi-token-prediction head (%s): Rimuru serves "
+                    "the text model", not_text, ", ".join(f"{p}*" for p in NOT_TEXT_PREFIXES))  # fmt: skip
     _check_keys(folder, sorted(weights.keys() - read) + collector.missing(), unexpected)
     return collector.layers
 

@@ -1,4 +1,4 @@
-"""Qwen3-Next: the hybrid MoE decoder. Three of every four layers mix tokens with Gated DeltaNet (linear attention
+"""Qwen3-Next and Qwen3.5: the hybrid MoE decoders. Three of every four layers mix tokens with Gated DeltaNet (linear attention
 whose per-request state has a fixed size and lives in SSM and conv pages), the fourth with gated full attention
 over KV pages; every layer's MLP is the routed experts plus a sigmoid-gated shared expert (`SparseMoeBlock`).
 
@@ -97,25 +97,30 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = self.num_k_heads * self.head_k_dim, self.num_v_heads * self.head_v_dim
         conv_dim, width, d = 2 * self.key_dim + self.value_dim, config.linear_conv_kernel_dim, config.hidden_size
         self.conv1d = nn.Conv1d(conv_dim, conv_dim, width, groups=conv_dim, bias=False, padding=width - 1)
-        self.in_proj_qkvz = nn.Linear(d, 2 * self.key_dim + 2 * self.value_dim, bias=False)
-        self.in_proj_ba = nn.Linear(d, 2 * self.num_v_heads, bias=False)
+        self.build_projections(d)
         self.dt_bias = nn.Parameter(torch.ones(self.num_v_heads))
         self.A_log = nn.Parameter(torch.zeros(self.num_v_heads))
         self.norm = GatedRMSNorm(self.head_v_dim, config.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, d, bias=False)
 
-    def _split(self, x: torch.Tensor):
-        """q, k [T, Hk', Dk], v, z [T, Hv, Dv], b, a [T, Hv] from the projections, grouped per key head."""
+    def build_projections(self, hidden_size: int) -> None:
+        self.in_proj_qkvz = nn.Linear(hidden_size, 2 * self.key_dim + 2 * self.value_dim, bias=False)
+        self.in_proj_ba = nn.Linear(hidden_size, 2 * self.num_v_heads, bias=False)
+
+    def _project(self, x: torch.Tensor):
+        """The conv's input [T, C] (q, k, v of every head, in that order), z [T, Hv, Dv], b, a [T, Hv]; Qwen3-Next's
+        projections group them per key head."""
         t, hk, group = x.shape[0], self.num_k_heads, self.num_v_heads // self.num_k_heads
         dk, dv = self.head_k_dim, self.head_v_dim
         q, k, v, z = self.in_proj_qkvz(x).view(t, hk, -1).split((dk, dk, group * dv, group * dv), dim=-1)
         b, a = self.in_proj_ba(x).view(t, hk, -1).split((group, group), dim=-1)
-        return q, k, v.reshape(t, -1, dv), z.reshape(t, -1, dv), b.reshape(t, -1), a.reshape(t, -1)
+        mixed = torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1)
+        return mixed, z.reshape(t, -1, dv), b.reshape(t, -1), a.reshape(t, -1)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, D]
-        q, k, v, z, b, a = self._split(x)
+        mixed, z, b, a = self._project(x)
         t = x.shape[0]
-        mixed = self._conv(torch.cat((q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)), dim=-1), ctx)
+        mixed = self._conv(mixed, ctx)
         q, k, v = mixed.split((self.key_dim, self.key_dim, self.value_dim), dim=-1)
         q, k = q.reshape(t, self.num_k_heads, -1), k.reshape(t, self.num_k_heads, -1)
         v = v.reshape(t, self.num_v_heads, -1)
@@ -149,12 +154,32 @@ class GatedDeltaNet(nn.Module):
                                                 int(ids[r]), c) for r, (s, e, c) in enumerate(self._segments(ctx))])  # fmt: skip
 
 
+class Qwen35GatedDeltaNet(GatedDeltaNet):
+    """Qwen3.5's Gated DeltaNet: q, k and v one projection in head order (the conv's input as it is), z, b and a one
+    each; stacked here into one GEMM."""
+
+    def build_projections(self, hidden_size: int) -> None:
+        self.conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj = nn.Linear(hidden_size, self.conv_dim + self.value_dim + 2 * self.num_v_heads, bias=False)
+
+    def stacked_parts(self) -> dict[str, tuple[tuple[str, int], ...]]:
+        """The checkpoint's four projections in the stacked one, with their rows (the loader's map)."""
+        hv = self.num_v_heads
+        return {"in_proj": (("in_proj_qkv", self.conv_dim), ("in_proj_z", self.value_dim), ("in_proj_b", hv),
+                            ("in_proj_a", hv))}  # fmt: skip
+
+    def _project(self, x: torch.Tensor):
+        mixed, z, b, a = self.in_proj(x).split((self.conv_dim, self.value_dim, self.num_v_heads, self.num_v_heads), -1)
+        return mixed, z.reshape(x.shape[0], -1, self.head_v_dim), b, a
+
+
 class HybridDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_idx: int, state_idx: int | None):
         super().__init__()
         self.is_linear = state_idx is not None
         if self.is_linear:
-            self.linear_attn = GatedDeltaNet(config, state_idx)
+            linear = Qwen35GatedDeltaNet if config.architecture == "qwen3_5_moe" else GatedDeltaNet
+            self.linear_attn = linear(config, state_idx)
         else:
             self.self_attn = GatedAttention(config, layer_idx)
         self.is_moe = config.is_moe_layer(layer_idx)
@@ -195,3 +220,10 @@ class Qwen3NextForCausalLM(QwenMoeForCausalLM):
 
     def build_model(self, config: ModelConfig) -> nn.Module:
         return HybridModel(config)
+
+
+class Qwen35MoeForCausalLM(Qwen3NextForCausalLM):
+    """Qwen3.5 and Qwen3.6 MoE: Qwen3-Next's layers with Qwen3.5's linear-attention projections; text positions
+    only, for which its interleaved multimodal RoPE is the partial RoPE."""
+
+    architecture = "qwen3_5_moe"

@@ -209,7 +209,7 @@ class Qwen3MoeForCausalLM(QwenMoeForCausalLM):
 
 
 def model_class(config: ModelConfig) -> type[QwenMoeForCausalLM]:
-    from rimuru.models.qwen3_next import Qwen3NextForCausalLM  # it builds on this module's classes
+    from rimuru.models.qwen3_next import Qwen3NextForCausalLM, Qwen35MoeForCausalLM  # they build on this module
 
-    classes = (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM)
+    classes = (Qwen2MoeForCausalLM, Qwen3MoeForCausalLM, Qwen3NextForCausalLM, Qwen35MoeForCausalLM)
     return {cls.architecture: cls for cls in classes}[config.architecture]

@@ -1,6 +1,7 @@
-"""A hybrid model through the engine (Qwen3-Next: Gated DeltaNet layers on each side of gated attention): greedy
-tokens equal Hugging Face's under every memory policy, across prompt chunks and through preemption, and each
-request's state pages are taken at admission and given back when it ends."""
+"""The hybrid models through the engine (Qwen3-Next, and Qwen3.5 from its composite checkpoint: Gated DeltaNet
+layers on each side of gated attention): greedy tokens equal Hugging Face's under every memory policy, across prompt
+chunks and through preemption, and each request's state pages are taken at admission and given back when it
+ends."""
 
 import pytest
 import transformers
@@ -12,12 +13,15 @@ from tests.engine.conftest import MAX_TOKENS, expect_no_growth, hf_greedy, make_
 from tests.engine.test_experts import GREEDY
 
 
-@pytest.fixture(scope="module")
-def hybrid(tmp_path_factory):
-    """(checkpoint folder, prompts, Hugging Face's greedy outputs) of a tiny Qwen3-Next."""
-    folder = fabricate(tmp_path_factory.mktemp("qwen3_next"), arch="qwen3_next")
-    prompts = make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)
-    return folder, prompts, hf_greedy(folder, prompts, MAX_TOKENS)
+@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+def hybrid(request, tmp_path_factory):
+    """(checkpoint folder, prompts, Hugging Face's greedy outputs) of a tiny hybrid; for Qwen3.5's composite
+    checkpoint, transformers' text model on the same weights."""
+    arch = request.param
+    folder = fabricate(tmp_path_factory.mktemp(arch), arch=arch)
+    reference = folder if arch != "qwen3_5_moe" else fabricate(tmp_path_factory.mktemp("text"), arch="qwen3_5_moe_text")
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(reference).vocab_size)
+    return folder, prompts, hf_greedy(reference, prompts, MAX_TOKENS)
 
 
 def hybrid_budget(folder: str, kv_tokens: int, num_states: int, offload: int) -> int:
@@ -74,5 +78,5 @@ def test_hybrid_preemption_recomputes_the_state(hybrid, monkeypatch):
 
 def test_hybrid_options_it_cannot_serve_are_refused_in_one_line(hybrid):
     folder = hybrid[0]
-    with pytest.raises(ValueError, match="^cuda_graphs: 'qwen3_next' has linear-attention layers"):
+    with pytest.raises(ValueError, match="^cuda_graphs: 'qwen3_(next|5_moe)' has linear-attention layers"):
         LLM(folder, progress=False, cuda_graphs=True)

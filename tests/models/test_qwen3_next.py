@@ -1,6 +1,10 @@
-"""Qwen3-Next (the hybrid family: Gated DeltaNet and gated attention layers, routed plus shared experts) against
-Hugging Face transformers' torch path on fabricated checkpoints (CPU, fp32): prefill, decode and chunked prefill
-carry the linear layers' state through SSM and conv pages exactly."""
+"""Qwen3-Next and Qwen3.5 (the hybrid families: Gated DeltaNet and gated attention layers, routed plus shared
+experts) against Hugging Face transformers' torch path on fabricated checkpoints (CPU, fp32): prefill, decode and
+chunked prefill carry the linear layers' state through SSM and conv pages exactly. Qwen3.5's composite checkpoint
+(vision tower and MTP head beside the text model) is held against transformers' text model on the same weights."""
+
+import json
+import logging
 
 import pytest
 import torch
@@ -12,14 +16,28 @@ ATOL = 1e-4
 PROMPTS = [[5, 77, 301, 12, 9], [400, 3, 3, 250, 17, 88, 101, 64, 2], [42], [11, 200, 33, 4, 5, 6, 7, 8, 9, 10, 11]]
 
 
-@pytest.fixture(scope="module", params=["fused", "per_expert"])
-def checkpoint(request, tmp_path_factory):
-    return fabricate(tmp_path_factory.mktemp("qwen3_next"), arch="qwen3_next", seed=0, expert_layout=request.param)
+VARIANTS = [("qwen3_next", "fused"), ("qwen3_next", "per_expert"), ("qwen3_5_moe_text", "fused"),
+            ("qwen3_5_moe", "per_expert")]  # fmt: skip
+
+
+@pytest.fixture(scope="module", params=VARIANTS, ids=["-".join(v) for v in VARIANTS])
+def checkpoints(request, tmp_path_factory):
+    """(checkpoint, the text-only checkpoint of the same weights that transformers loads as the reference)."""
+    arch, layout = request.param
+    folder = fabricate(tmp_path_factory.mktemp(arch), arch=arch, seed=0, expert_layout=layout)
+    if arch != "qwen3_5_moe":
+        return folder, folder
+    return folder, fabricate(tmp_path_factory.mktemp("text"), arch="qwen3_5_moe_text", seed=0, expert_layout=layout)
 
 
 @pytest.fixture(scope="module")
-def hf_model(checkpoint):
-    return load_hf_reference(checkpoint)
+def checkpoint(checkpoints):
+    return checkpoints[0]
+
+
+@pytest.fixture(scope="module")
+def hf_model(checkpoints):
+    return load_hf_reference(checkpoints[1])
 
 
 @pytest.fixture()
@@ -70,3 +88,18 @@ def test_config_reads_the_hybrid_layout():
     assert config.partial_rotary_factor == 0.25 and config.shared_expert_intermediate_size == 4
     with pytest.raises(ValueError, match="layer_types holds \\['sliding_attention'\\]"):
         ModelConfig.from_hf(raw | {"layer_types": ["sliding_attention"] * 4})
+
+
+def test_qwen35_configs_read_as_their_text_model(tmp_path):
+    composite = ModelConfig.from_hf(fabricate(tmp_path / "c", arch="qwen3_5_moe"))
+    text = ModelConfig.from_hf(fabricate(tmp_path / "t", arch="qwen3_5_moe_text"))
+    assert composite == text and composite.architecture == "qwen3_5_moe" and composite.linear_layer_ids == [0, 2]
+    raw = json.loads((tmp_path / "t" / "config.json").read_text())
+    with pytest.raises(ValueError, match="^mamba_ssm_dtype 'bfloat16': Rimuru keeps the linear-attention state in"):
+        ModelConfig.from_hf(raw | {"mamba_ssm_dtype": "bfloat16"})
+
+
+def test_the_composite_checkpoint_skips_what_the_text_model_does_not_run(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, logger="rimuru"):
+        from_pretrained(fabricate(tmp_path, arch="qwen3_5_moe"), progress=False)
+    assert "skipped 2 tensors of the vision tower and the multi-token-prediction head" in caplog.text
