@@ -1,11 +1,15 @@
 """`rimuru::gated_delta_step`, `rimuru::gated_delta_chunk`, `rimuru::causal_conv1d_step`, `rimuru::causal_conv1d_chunk`:
 a hybrid model's linear-attention layers over their state pages, each state updated in place in its page.
 
-The references in `rimuru.ops.reference` are the kernels on every device for now; a GPU kernel that updates the
-pages without gathering them registers for "cuda" here.
+The references in `rimuru.ops.reference` are the kernels on the CPU, and for prompt chunks on every device for now.
+On a GPU the decode steps run Triton kernels that read and write each request's state where it lies in its page
+(through `state_ids`, no gather and scatter of whole states): one program a request, value head and block of
+value dims for the delta rule, one a request and block of channels for the conv.
 """
 
 import torch
+import triton
+import triton.language as tl
 
 from rimuru.ops import reference
 
@@ -52,3 +56,114 @@ def causal_conv1d_chunk(x: torch.Tensor, conv_view: torch.Tensor, state_id: int,
 @causal_conv1d_chunk.register_fake
 def _causal_conv1d_chunk_fake(x, conv_view, state_id, continues, weight, bias):
     return torch.empty_like(x)
+
+
+@triton.jit
+def _l2_normalised(x):
+    return x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
+
+
+@triton.jit
+def _gated_delta_step_kernel(p_q, p_k, p_v, p_g, p_beta, p_ssm, p_ids, p_out, num_v_heads, group, stride_qb,
+                             stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_betab,
+                             stride_ob, stride_oh, scale, HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_V: tl.constexpr,
+                             BLOCK_K: tl.constexpr):  # fmt: skip
+    """One request's value head, BLOCK_V of its value dims: its [Dk, BLOCK_V] slice of the state, read and written
+    in its page once."""
+    i_b, i_h, i_v = tl.program_id(0).to(tl.int64), tl.program_id(1), tl.program_id(2)
+    o_k, o_v = tl.arange(0, BLOCK_K), i_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    m_k, m_v = o_k < HEAD_K, o_v < HEAD_V
+    p_o = p_out + i_b * stride_ob + i_h * stride_oh + o_v
+    state_id = tl.load(p_ids + i_b).to(tl.int64)
+    if state_id < 0:  # a padding row: no state to touch
+        tl.store(p_o, tl.zeros([BLOCK_V], dtype=tl.float32).to(p_out.dtype.element_ty), mask=m_v)
+        return
+    i_hk = i_h // group
+    q = tl.load(p_q + i_b * stride_qb + i_hk * stride_qh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    k = tl.load(p_k + i_b * stride_kb + i_hk * stride_kh + o_k, mask=m_k, other=0.0).to(tl.float32)
+    q = _l2_normalised(q) * scale
+    k = _l2_normalised(k)
+    v = tl.load(p_v + i_b * stride_vb + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
+    decay = tl.exp(tl.load(p_g + i_b * stride_gb + i_h).to(tl.float32))
+    beta = tl.load(p_beta + i_b * stride_betab + i_h).to(tl.float32)
+    p_s = p_ssm + (state_id * num_v_heads + i_h) * HEAD_K * HEAD_V + o_k[:, None] * HEAD_V + o_v[None, :]
+    m_s = m_k[:, None] & m_v[None, :]
+    state = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32) * decay  # [Dk, BV]
+    delta = (v - tl.sum(state * k[:, None], 0)) * beta  # [BV]
+    state = state + k[:, None] * delta[None, :]
+    tl.store(p_o, tl.sum(state * q[:, None], 0).to(p_out.dtype.element_ty), mask=m_v)
+    tl.store(p_s, state.to(p_ssm.dtype.element_ty), mask=m_s)
+
+
+@triton.jit
+def _causal_conv1d_step_kernel(p_x, p_conv, p_ids, p_weight, p_bias, p_out, num_channels, stride_xb, stride_ob,
+                               WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
+                               HAS_BIAS: tl.constexpr):  # fmt: skip
+    """BLOCK_C channels of one request: the window of its W - 1 kept inputs and the new one, SiLU of the conv, and
+    the history shifted by one in its page."""
+    i_b, i_c = tl.program_id(0).to(tl.int64), tl.program_id(1)
+    o_c, o_w = i_c * BLOCK_C + tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_W)
+    m_c = o_c < num_channels
+    p_o = p_out + i_b * stride_ob + o_c
+    state_id = tl.load(p_ids + i_b).to(tl.int64)
+    if state_id < 0:
+        tl.store(p_o, tl.zeros([BLOCK_C], dtype=tl.float32).to(p_out.dtype.element_ty), mask=m_c)
+        return
+    dtype = p_x.dtype.element_ty
+    x = tl.load(p_x + i_b * stride_xb + o_c, mask=m_c, other=0.0)  # [BC]
+    p_h = p_conv + (state_id * num_channels + o_c[:, None]) * (WIDTH - 1) + o_w[None, :]
+    m_h = m_c[:, None] & (o_w[None, :] < WIDTH - 1)
+    history = tl.load(p_h, mask=m_h, other=0.0).to(dtype)  # [BC, BW]: positions 0 .. W - 2 kept
+    window = tl.where(o_w[None, :] == WIDTH - 1, x[:, None], history).to(tl.float32)  # the new input at W - 1
+    weight = tl.load(p_weight + o_c[:, None] * WIDTH + o_w[None, :], mask=m_c[:, None] & (o_w[None, :] < WIDTH),
+                     other=0.0).to(tl.float32)  # fmt: skip
+    y = tl.sum(window * weight, 1)
+    if HAS_BIAS:
+        y += tl.load(p_bias + o_c, mask=m_c, other=0.0).to(tl.float32)
+    tl.store(p_o, (y / (1.0 + tl.exp(-y))).to(p_out.dtype.element_ty), mask=m_c)
+    # the history moves one place: kept position j takes window position j + 1
+    shifted = tl.load(p_h + 1, mask=m_h & (o_w[None, :] < WIDTH - 2), other=0.0)
+    shifted = tl.where(o_w[None, :] == WIDTH - 2, x[:, None].to(p_conv.dtype.element_ty), shifted)
+    tl.debug_barrier()  # every lane read its history before any lane overwrites it
+    tl.store(p_h, shifted, mask=m_h)
+
+
+def gated_delta_step_triton(q, k, v, g, beta, ssm_view, state_ids, block_v: int = 32):
+    num_requests, num_v_heads, head_v = v.shape
+    head_k = k.shape[-1]
+    assert ssm_view.is_contiguous() and ssm_view.shape[1:] == (num_v_heads, head_k, head_v)
+    assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
+    out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
+    if num_requests:
+        grid = (num_requests, num_v_heads, triton.cdiv(head_v, block_v))
+        _gated_delta_step_kernel[grid](q, k, v, g, beta, ssm_view, state_ids, out, num_v_heads,
+                                       num_v_heads // k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+                                       v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0),
+                                       out.stride(1), head_k**-0.5, HEAD_K=head_k, HEAD_V=head_v, BLOCK_V=block_v,
+                                       BLOCK_K=triton.next_power_of_2(head_k))  # fmt: skip
+    return out
+
+
+def causal_conv1d_step_triton(x, conv_view, state_ids, weight, bias, block_c: int = 128):
+    num_requests, num_channels = x.shape
+    width = weight.shape[1]
+    assert conv_view.is_contiguous() and conv_view.shape[1:] == (num_channels, width - 1) and width >= 2
+    assert x.stride(1) == 1 and weight.is_contiguous()
+    out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if num_requests:
+        grid = (num_requests, triton.cdiv(num_channels, block_c))
+        _causal_conv1d_step_kernel[grid](x, conv_view, state_ids, weight, bias if bias is not None else weight, out,
+                                         num_channels, x.stride(0), out.stride(0), WIDTH=width,
+                                         BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c,
+                                         HAS_BIAS=bias is not None)  # fmt: skip
+    return out
+
+
+@gated_delta_step.register_kernel("cuda")
+def _gated_delta_step_cuda(q, k, v, g, beta, ssm_view, state_ids):
+    return gated_delta_step_triton(q, k, v, g, beta, ssm_view, state_ids)
+
+
+@causal_conv1d_step.register_kernel("cuda")
+def _causal_conv1d_step_cuda(x, conv_view, state_ids, weight, bias):
+    return causal_conv1d_step_triton(x, conv_view, state_ids, weight, bias)

@@ -4,6 +4,7 @@ chunks and through preemption, and each request's state pages are taken at admis
 ends."""
 
 import pytest
+import torch
 import transformers
 
 from rimuru import LLM
@@ -80,3 +81,21 @@ def test_hybrid_options_it_cannot_serve_are_refused_in_one_line(hybrid):
     folder = hybrid[0]
     with pytest.raises(ValueError, match="^cuda_graphs: 'qwen3_(next|5_moe)' has linear-attention layers"):
         LLM(folder, progress=False, cuda_graphs=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_hybrid_tokens_on_gpu_equal_hugging_face(hybrid, monkeypatch):
+    """fp32 on the GPU (the decode steps' Triton kernels over the state pages, eager steps): Hugging Face's tokens,
+    all experts resident and under the elastic pool, and through preemption."""
+    folder, prompts, expected = hybrid
+    options = dict(device="cuda", dtype=torch.float32)
+    _, tokens = generate(folder, prompts, expert_policy="resident", **options)
+    assert tokens == expected
+    budget = hybrid_budget(folder, kv_tokens=60, num_states=3, offload=2)
+    elastic, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, **options)
+    assert tokens == expected and elastic.expert_stats["evictions"] > 0
+    expect_no_growth(monkeypatch)
+    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0),
+                                expert_policy="resident", **options)  # fmt: skip
+    assert tokens == expected and squeezed.scheduler.num_preemptions > 0

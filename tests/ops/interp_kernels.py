@@ -22,6 +22,7 @@ from rimuru.ops import (
 )
 from rimuru.ops.activations import sigmoid_gated_add_triton, silu_and_mul_triton  # noqa: E402
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config  # noqa: E402
+from rimuru.ops.linear_attention import causal_conv1d_step_triton, gated_delta_step_triton  # noqa: E402
 from rimuru.ops.moe_align import (  # noqa: E402
     MAX_SORT_PROGRAMS,
     align_tokens_torch,
@@ -409,3 +410,39 @@ def test_topk_sum(num_tokens, top_k, hidden_size, block_d):
     ref = pairs.sum(1)
     tri = topk_sum_triton(pairs, {"BLOCK_D": block_d, "num_warps": 4})
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_requests,hk,hv,dk,dv,block_v", [(3, 2, 4, 8, 12, 8), (5, 1, 2, 16, 16, 32),
+                                                               (2, 4, 4, 32, 20, 16)])  # fmt: skip
+def test_gated_delta_step(num_requests, hk, hv, dk, dv, block_v):
+    """States at scattered pages, one row padding (state id -1): the states change in place, and only theirs."""
+    gen = torch.Generator().manual_seed(num_requests * dk)
+    q, k = torch.randn(2, num_requests, hk, dk, generator=gen).unbind(0)
+    v = torch.randn(num_requests, hv, dv, generator=gen)
+    g = -torch.rand(num_requests, hv, generator=gen)
+    beta = torch.rand(num_requests, hv, generator=gen)
+    pages = torch.randn(2 * num_requests + 1, hv, dk, dv, generator=gen)
+    ids = torch.randperm(2 * num_requests + 1, generator=gen)[:num_requests]
+    ids[1] = -1
+    ref_pages, tri_pages = pages.clone(), pages.clone()
+    ref = reference.gated_delta_step(q, k, v, g, beta, ref_pages, ids)
+    tri = gated_delta_step_triton(q, k, v, g, beta, tri_pages, ids, block_v=block_v)
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tri_pages, ref_pages, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("num_requests,channels,width,block_c,bias", [(3, 40, 4, 16, True), (2, 7, 2, 8, False),
+                                                                       (4, 130, 3, 64, True)])  # fmt: skip
+def test_causal_conv1d_step(num_requests, channels, width, block_c, bias):
+    gen = torch.Generator().manual_seed(channels)
+    x = torch.randn(num_requests, channels, generator=gen)
+    weight = torch.randn(channels, width, generator=gen)
+    b = torch.randn(channels, generator=gen) if bias else None
+    pages = torch.randn(2 * num_requests + 1, channels, width - 1, generator=gen)
+    ids = torch.randperm(2 * num_requests + 1, generator=gen)[:num_requests]
+    ids[0] = -1
+    ref_pages, tri_pages = pages.clone(), pages.clone()
+    ref = reference.causal_conv1d_step(x, ref_pages, ids, weight, b)
+    tri = causal_conv1d_step_triton(x, tri_pages, ids, weight, b, block_c=block_c)
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tri_pages, ref_pages, rtol=0, atol=0)
