@@ -17,7 +17,7 @@ EXPERT_COUNTERS = ("evictions", "additions", "swaps", "bytes_copied", "prefetch_
 ADJUSTER_ESTIMATES = ("predicted_copy_ms", "measured_copy_ms", "compute_ms", "bandwidth_gb_s", "touch_p_mean",
                       "touch_p_max", "affordable_evictions", "oldest_wait_s", "slo_missed", "calibration",
                       "requests_per_expert")  # fmt: skip
-POOL_KINDS = ("expert", "kv", "free", "trapped")
+POOL_KINDS = ("expert", "kv", "state", "free", "trapped")  # state: a hybrid model's SSM and conv pages
 
 
 def read_expert_stats(engine) -> dict:

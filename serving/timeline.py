@@ -15,19 +15,23 @@ ADJUSTER_FIELDS = {"offloaded_experts": "offloaded_experts", "predicted_copy_ms"
                    "measured_copy_ms": "cost_measured_copy_ms", "compute_ms": "cost_compute_ms",
                    "touch_p_mean": "cost_touch_p_mean", "affordable_evictions": "cost_affordable_evictions",
                    "calibration": "cost_calibration"}  # fmt: skip
-FIELDS = ("t", "expert_pages", "kv_pages", "trapped_pages", "free_pages", "expert_bytes", "kv_bytes",
-          "trapped_bytes", "free_bytes", "running", "waiting", "tokens_per_s", *ADJUSTER_FIELDS)  # fmt: skip
+FIELDS = ("t", "expert_pages", "kv_pages", "state_pages", "trapped_pages", "free_pages", "expert_bytes", "kv_bytes",
+          "state_bytes", "trapped_bytes", "free_bytes", "running", "waiting", "tokens_per_s",
+          *ADJUSTER_FIELDS)  # fmt: skip
 
 
 def pool_split(stats: dict) -> dict:
-    """Pages and bytes by kind from `PageAllocator.stats()`; free pages are counted in expert pages."""
+    """Pages and bytes by kind from `PageAllocator.stats()`; free pages are counted in expert pages, and a hybrid
+    model's SSM and conv pages together as its linear-attention state."""
     return {
         "expert_pages": stats.get("expert_used_pages", 0),
         "kv_pages": stats.get("kv_used_pages", 0),
+        "state_pages": stats.get("ssm_used_pages", 0) + stats.get("conv_used_pages", 0),
         "trapped_pages": stats.get("kv_trapped_pages", 0),
         "free_pages": stats.get("free_expert_pages", 0),
         "expert_bytes": stats.get("expert_used_bytes", 0),
         "kv_bytes": stats.get("kv_used_bytes", 0),
+        "state_bytes": stats.get("ssm_used_bytes", 0) + stats.get("conv_used_bytes", 0),
         "trapped_bytes": stats.get("trapped_bytes", 0),
         "free_bytes": stats.get("free_bytes", 0),
     }

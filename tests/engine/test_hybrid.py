@@ -99,3 +99,16 @@ def test_hybrid_tokens_on_gpu_equal_hugging_face(hybrid, monkeypatch):
     squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0),
                                 expert_policy="resident", **options)  # fmt: skip
     assert tokens == expected and squeezed.scheduler.num_preemptions > 0
+
+
+def test_a_running_hybrid_request_shows_its_state_in_the_pool_split(hybrid):
+    """What /metrics and the dashboard draw: a running request's SSM and conv pages as the state kind."""
+    from rimuru.serving.timeline import pool_split
+
+    folder, prompts, _ = hybrid
+    engine = LLM(folder, progress=False, expert_policy="resident").engine
+    engine.add_request("r", prompts[3], GREEDY)
+    engine.step()
+    split = pool_split(engine.allocator.stats())
+    layers = len(engine.model_config.linear_layer_ids)
+    assert split["state_pages"] == 2 * layers and split["state_bytes"] > 0

@@ -61,7 +61,7 @@ def test_the_cost_adjusters_estimates_reach_the_metrics_and_the_timeline():
              "cost_compute_ms": 14.5, "cost_touch_p_mean": 0.05}  # fmt: skip
     engine = SimpleNamespace(scheduler=SimpleNamespace(running=[], waiting=[], num_preemptions=0), expert_stats=stats)
     metrics = Metrics("m")
-    split = {f"{kind}_{unit}": 1 for kind in ("expert", "kv", "free", "trapped") for unit in ("pages", "bytes")}
+    split = {f"{kind}_{unit}": 1 for kind in ("expert", "kv", "state", "free", "trapped") for unit in ("pages", "bytes")}
     metrics.update_engine(engine, split, 0.5)
     text = metrics.render().decode()
     assert _value(text, 'rimuru:adjuster_estimate{estimate="predicted_copy_ms"') == 0.8

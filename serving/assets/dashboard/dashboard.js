@@ -6,12 +6,12 @@
 const POLL_MS = 500;
 const MIB = 1024 * 1024;
 const COLORS = {
-  expert_bytes: "#e8702a", kv_bytes: "#1f77d4", trapped_bytes: "#9b59b6", free_bytes: "#d9dde3",
+  expert_bytes: "#e8702a", kv_bytes: "#1f77d4", state_bytes: "#2ca02c", trapped_bytes: "#9b59b6", free_bytes: "#d9dde3",
   running: "#2ca02c", waiting: "#d62728", tokens_per_s: "#8c564b",
   predicted_copy_ms: "#ff7f0e", measured_copy_ms: "#17becf", compute_ms: "#7f7f7f",
 };
 const LABELS = {
-  expert_bytes: "experts", kv_bytes: "KV cache", trapped_bytes: "trapped", free_bytes: "free",
+  expert_bytes: "experts", kv_bytes: "KV cache", state_bytes: "linear-attention state", trapped_bytes: "trapped", free_bytes: "free",
   running: "running", waiting: "waiting", tokens_per_s: "tokens/s",
   predicted_copy_ms: "copies, predicted", measured_copy_ms: "copies, measured", compute_ms: "compute",
 };
@@ -131,7 +131,7 @@ async function poll() {
   }
 }
 
-legend("pool-legend", ["expert_bytes", "kv_bytes", "trapped_bytes", "free_bytes"]);
+legend("pool-legend", ["expert_bytes", "kv_bytes", "state_bytes", "trapped_bytes", "free_bytes"]);
 legend("requests-legend", ["running", "waiting"]);
 legend("throughput-legend", ["tokens_per_s"]);
 legend("copies-legend", ["predicted_copy_ms", "measured_copy_ms", "compute_ms"]);
