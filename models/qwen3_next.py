@@ -136,6 +136,8 @@ class GatedDeltaNet(nn.Module):
         return [(starts[r], starts[r + 1], continues[r]) for r in range(len(starts) - 1)]
 
     def _all_decodes(self, ctx: ForwardContext, num_tokens: int) -> bool:
+        if ctx.decode_only is not None:
+            return ctx.decode_only
         num_requests = ctx.query_start_loc.shape[0] - 1
         return num_tokens == num_requests and bool(ctx.state_continues.all())
 

@@ -113,7 +113,8 @@ class EngineConfig:
     expert_reads: str = "direct"
     cuda_graphs: bool | None = None  # decode steps as CUDA graph replays; None: on a GPU (True on CPU: the same path)
     # steps that mix prefill chunks and decodes (up to 2048 tokens) as graph replays too (with cuda_graphs): their
-    # memory pool is profiled at start-up and taken from the pool (docs/benchmarks/vs-vllm.md)
+    # memory pool is profiled at start-up and taken from the pool (docs/benchmarks/vs-vllm.md); a hybrid model's
+    # steps with prompt chunks always run eagerly
     mixed_cuda_graphs: bool = True
     # a preempted request's KV: copied to pinned host memory and back ("swap"), or freed and its prompt recomputed
     preemption: str = "swap"

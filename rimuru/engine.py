@@ -51,7 +51,6 @@ class Engine:
         model_config = ModelConfig.from_hf(folder)
         requested_max_model_len = config.max_model_len
         config = config.resolve(model_config.max_position_embeddings, model_config.torch_dtype)
-        check_hybrid_options(model_config, config)
         page_tokens = fitting_page_tokens(model_config, config.page_tokens)
         if page_tokens != config.page_tokens:
             logger.warning("KV pages of %d tokens: %d tokens' K and V do not fit in an expert page", page_tokens,
@@ -64,26 +63,27 @@ class Engine:
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
         self.model_config = self.loaded.config
         self.step_memory = None  # what a step takes outside the pool, where profiled (`rimuru.memory_profile`)
-        wants_graphs = graphs_wanted(config.cuda_graphs, self.device) and not model_config.linear_layer_ids
+        wants_graphs = graphs_wanted(config.cuda_graphs, self.device)
         self._build_pool(wants_graphs)
         scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
         self._place_experts(folder)
         device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
         self.kv_cache = KVCacheManager(self.allocator, len(self.model_config.attention_layer_ids), config.page_tokens,
                                        config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
+        linear_layers = len(self.model_config.linear_layer_ids)
+        state_views = (self.pool.ssm_view(), self.pool.conv_view()) if linear_layers else None
         graphs = capture_step_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
                                      self.kv_cache.device_tables, scratch_page, config.max_num_seqs,
-                                     config.cuda_graphs, config.progress, self._mixed_graph_tokens)  # fmt: skip
+                                     config.cuda_graphs, config.progress, self._mixed_graph_tokens,
+                                     state_views)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         self.kv_tokens_at_start = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV))
         self._log_start_up()
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
         swap = KVSwap(self.kv_cache, self.pool.kv_view(), self.pool.num_bytes) if config.preemption == "swap" else None
-        linear_layers = len(self.model_config.linear_layer_ids)
         self.states = LinearStateCache(self.allocator, linear_layers) if linear_layers else None
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages, swap, self.states)
-        state_views = (self.pool.ssm_view(), self.pool.conv_view()) if linear_layers else None
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
                                   graphs, self.states, state_views)  # fmt: skip
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
@@ -140,8 +140,9 @@ class Engine:
 
     @property
     def _mixed_graph_tokens(self) -> int:
-        """The token limit mixed steps' graphs are captured up to (0: decode graphs only)."""
-        return self.config.max_num_batched_tokens if self.config.mixed_cuda_graphs else 0
+        """The token limit mixed steps' graphs are captured up to (0: decode graphs only; a hybrid model's always)."""
+        mixed = self.config.mixed_cuda_graphs and not self.loaded.config.linear_layer_ids
+        return self.config.max_num_batched_tokens if mixed else 0
 
     def _build_pool(self, wants_graphs: bool) -> None:
         cfg, mc = self.config, self.loaded.config
@@ -403,13 +404,6 @@ def _host_memory_within(needed: int, wait_s: float) -> int:
         time.sleep(0.5)
         available = host_memory(available=True)
     return available
-
-
-def check_hybrid_options(model_config: ModelConfig, config: EngineConfig) -> None:
-    """A hybrid model's steps run eagerly for now: one line naming the option it cannot have."""
-    if model_config.linear_layer_ids and config.cuda_graphs:
-        raise ValueError(f"cuda_graphs: {model_config.architecture!r} has linear-attention layers, whose steps are "
-                         "not captured yet; leave cuda_graphs unset")  # fmt: skip
 
 
 def _device_bytes(model: torch.nn.Module) -> int:

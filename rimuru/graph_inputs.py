@@ -21,7 +21,9 @@ take the batch for a decode one):
     position  | the request's                                 | 0, 1, .. page-1, 0, 1, ..                       |
 
 The pass's first piece gathers the requests' KV page tables and the tokens' slot mappings from the KV cache's
-device tables, so a step copies no tables. Does not own capture or replay (`rimuru.step_graphs`).
+device tables, so a step copies no tables. A hybrid model's decode shapes also read each request's state pages
+(`state_views`), its rows of the state tables copied in each step and -1 (no state: the kernels skip the row) for
+the padding; its steps with prompt chunks are not captured. Does not own capture or replay (`rimuru.step_graphs`).
 """
 
 from typing import NamedTuple
@@ -52,7 +54,8 @@ class Shape(NamedTuple):
 
 class GraphInputs:
     def __init__(self, kv_view: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, shapes: list[Shape],
-                 top: int):  # fmt: skip
+                 top: int, state_views: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 num_linear_layers: int = 0):  # fmt: skip
         self.kv_tables = kv_tables  # [L, slots, P] the KV cache's page tables on the device, kept up to date by it
         self.scratch_page, self.page_tokens = scratch_page, kv_view.shape[2]
         kv_view[scratch_page].zero_()  # padding tokens read it: finite values from the start
@@ -71,6 +74,9 @@ class GraphInputs:
         self.token_requests = torch.zeros(tokens, dtype=torch.int64, device=dev)
         self.mixed_starts = torch.zeros(requests + 1, dtype=torch.int32, device=dev)
         self.sampled_tokens = torch.zeros(top, dtype=torch.int64, device=dev)
+        # a hybrid model's state pages: the views, and each request's SSM and conv page a linear layer
+        self.state_views = state_views
+        self.state_ids = torch.full((2, num_linear_layers, requests), -1, dtype=torch.int64, device=dev)
 
     @property
     def max_tokens(self) -> int:
@@ -87,6 +93,8 @@ class GraphInputs:
         self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
         self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
         self.padding_rows[:num_requests] = False
+        if self.state_views is not None:
+            self.state_ids[:, :, :num_requests].copy_(torch.stack(inputs.state_tables), non_blocking=True)
         self._write_padding(num_requests, shape.tokens)
 
     def write_padding_only(self, shape: Shape) -> None:
@@ -120,6 +128,7 @@ class GraphInputs:
         self.positions[start:end] = 0
         self.seq_lens[start:end] = 1
         self.padding_rows[start:end] = True
+        self.state_ids[:, :, start:end] = -1
 
     def _write_mixed(self, inputs, shape: Shape) -> None:
         """A mixed step's layout (module docstring): its tokens and requests, then the padding requests, then empty
@@ -171,5 +180,16 @@ class GraphInputs:
             logits_indices=sampled,
             host_experts=host_experts,
             padding_rows=padding,
+            **self._state_fields(shape),
         )
         return self.input_ids[:num_tokens], ctx
+
+    def _state_fields(self, shape: Shape) -> dict:
+        """A hybrid model's state pages of a decode shape's rows (every request continues its state)."""
+        if self.state_views is None:
+            return {}
+        assert not shape.mixed, "a hybrid model's steps with prompt chunks are not captured"
+        ids = self.state_ids[:, :, : shape.requests]
+        return dict(ssm_view=self.state_views[0], conv_view=self.state_views[1], ssm_state_ids=ids[0],
+                    conv_state_ids=ids[1], state_continues=~self.padding_rows[: shape.requests],
+                    decode_only=True)  # fmt: skip

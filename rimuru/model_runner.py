@@ -32,6 +32,13 @@ class StepInputs:
     logits_indices: torch.Tensor  # [B'] int64
     sample_rows: list[int]  # batch rows of the B' logits
     request_ids: list[str] = field(default_factory=list)  # [B], whose state pages a hybrid model's linear layers read
+    # a hybrid model's state pages of the batch ([L_linear, B] SSM and conv page ids; None: no linear layers)
+    state_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    @property
+    def continues(self) -> torch.Tensor:
+        """[B] bool: the request's first token this step is not its first, so its state holds earlier ones."""
+        return self.positions[self.query_start_loc[:-1].long()] > 0
 
     @property
     def is_decode(self) -> bool:
@@ -65,7 +72,10 @@ class ModelRunner:
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:
         """The step's rows (no page tables: graphs gather them on the device, `context` on the host)."""
-        return step_inputs(batch, self.kv_cache.slot)
+        inputs = step_inputs(batch, self.kv_cache.slot)
+        if self.states is not None:
+            inputs.state_tables = self.states.state_tables(inputs.request_ids)
+        return inputs
 
     def page_tables(self, inputs: StepInputs) -> tuple[torch.Tensor, torch.Tensor]:
         """(KV page tables [L, B, P'] of the batch's requests, P' = pages of the longest; slot mappings [L, T]),
@@ -102,11 +112,11 @@ class ModelRunner:
         """A hybrid model's state pages of the batch, and whether each request's state holds earlier tokens."""
         if self.states is None:
             return {}
-        dev = self.device
-        ssm_ids, conv_ids = self.states.state_tables(inputs.request_ids, dev)  # [L_linear, B] each
-        first_positions = inputs.positions[inputs.query_start_loc[:-1].long()]  # [B]
+        dev, continues = self.device, inputs.continues
+        ssm_ids, conv_ids = (ids.to(dev, non_blocking=True) for ids in inputs.state_tables)  # [L_linear, B] each
         return dict(ssm_view=self.state_views[0], conv_view=self.state_views[1], ssm_state_ids=ssm_ids,
-                    conv_state_ids=conv_ids, state_continues=(first_positions > 0).to(dev))  # fmt: skip
+                    conv_state_ids=conv_ids, state_continues=continues.to(dev, non_blocking=True),
+                    decode_only=inputs.is_decode and bool(continues.all()))  # fmt: skip
 
 
 def step_inputs(batch: ScheduledBatch, slot_of) -> StepInputs:

@@ -74,7 +74,7 @@ def reserve_scratch_page(allocator) -> int:
 
 def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
                         scratch_page: int, max_num_seqs: int, cuda_graphs: bool | None, progress: bool,
-                        mixed_tokens: int = 0):  # fmt: skip
+                        mixed_tokens: int = 0, state_views: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
     """The engine's step graphs, captured: decode steps', and with `mixed_tokens` (the step's token limit) mixed
     steps' too; their padding rows use `scratch_page` (`reserve_scratch_page`). None without `kv_tables` (the KV
     cache's device copy, kept only when graphs are wanted: they gather from it), or when a capture nobody asked for
@@ -88,8 +88,8 @@ def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_
     count_pass = counter.count_pass if counter.counts_routing else None  # the routing counted inside the graphs
     graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.loader.working_tables, kv_tables,
                         scratch_page, sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
-                        mixed_sizes=mixed, count_pass=count_pass,
-                        keep_router_inputs=not experts.direct)  # fmt: skip
+                        mixed_sizes=mixed, count_pass=count_pass, keep_router_inputs=not experts.direct,
+                        state_views=state_views)  # fmt: skip
     start = time.perf_counter()
     try:
         graphs.capture_all(progress)
@@ -117,7 +117,7 @@ class StepGraphs:
                  expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
                  capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = (),
                  count_pass: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
-                 keep_router_inputs: bool = True):  # fmt: skip
+                 keep_router_inputs: bool = True, state_views: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
         # the routing hook's router inputs, kept for each MoE layer ([MoE layers, tokens, D]): only a hook that
         # predicts (expert_reads="copy") or observes reads them; without one their buffer would only cost KV pages
@@ -131,7 +131,8 @@ class StepGraphs:
         top, page_tokens = self.batch_sizes[-1], kv_view.shape[2]
         self.shapes = [Shape.mixed_step(t, top, page_tokens) for t in self.mixed_sizes]
         self.shapes += [Shape.decode(s) for s in self.batch_sizes]
-        self.inputs = GraphInputs(kv_view, kv_tables, scratch_page, self.shapes, top)
+        linear_layers = len(model.config.linear_layer_ids)
+        self.inputs = GraphInputs(kv_view, kv_tables, scratch_page, self.shapes, top, state_views, linear_layers)
         self.scratch_page = scratch_page  # the padding rows' KV page, the graphs' own
         # NOTE: every shape's graphs write their outputs into these shared buffers (the last piece also converts the
         # logits to fp32, which the sampler does anyway): outputs kept per size would hold 1.8 GB of a 30 GiB budget

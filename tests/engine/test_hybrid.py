@@ -25,10 +25,11 @@ def hybrid(request, tmp_path_factory):
     return folder, prompts, hf_greedy(reference, prompts, MAX_TOKENS)
 
 
-def hybrid_budget(folder: str, kv_tokens: int, num_states: int, offload: int) -> int:
+def hybrid_budget(folder: str, kv_tokens: int, num_states: int, offload: int, **options) -> int:
     """Room for two loading buffers of `offload` experts, every expert, KV for `kv_tokens` tokens in each attention
-    layer and the linear-attention state of `num_states` requests."""
-    engine = LLM(folder, progress=False, expert_policy="resident").engine
+    layer and the linear-attention state of `num_states` requests, beside the step reserve of an engine of
+    `options`."""
+    engine = LLM(folder, progress=False, expert_policy="resident", **options).engine
     plan, sizes, config = engine.memory_plan, engine.pool.sizes, engine.model_config
     kv_pages = -(-kv_tokens // sizes.page_tokens) * len(config.attention_layer_ids)
     pages = (engine.experts.num_expert_pages + 2 * offload * 3 + -(-kv_pages // sizes.kv_pages_per_expert_page)
@@ -77,10 +78,24 @@ def test_hybrid_preemption_recomputes_the_state(hybrid, monkeypatch):
     assert tokens == expected
 
 
-def test_hybrid_options_it_cannot_serve_are_refused_in_one_line(hybrid):
-    folder = hybrid[0]
-    with pytest.raises(ValueError, match="^cuda_graphs: 'qwen3_(next|5_moe)' has linear-attention layers"):
-        LLM(folder, progress=False, cuda_graphs=True)
+@pytest.mark.parametrize("max_num_batched_tokens", [8, 64])
+def test_hybrid_decode_steps_replay_graphs_and_give_the_eager_tokens(hybrid, max_num_batched_tokens):
+    """cuda_graphs on the CPU: decode steps take the padded graph path (state ids -1 on the padding rows, which the
+    kernels skip), steps with prompt chunks run eagerly; Hugging Face's tokens either way."""
+    folder, prompts, expected = hybrid
+    engine, tokens = generate(folder, prompts, expert_policy="resident", cuda_graphs=True, max_num_seqs=8,
+                              max_num_batched_tokens=max_num_batched_tokens)  # fmt: skip
+    assert tokens == expected
+    assert 0 < engine.runner.num_graph_steps < engine.num_steps
+
+
+def test_hybrid_graphs_under_the_elastic_pool_give_the_eager_tokens(hybrid):
+    folder, prompts, expected = hybrid
+    options = dict(cuda_graphs=True, max_num_seqs=8, max_num_batched_tokens=64)
+    budget = hybrid_budget(folder, kv_tokens=60, num_states=3, offload=2, **options)
+    elastic, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
+                               **options)  # fmt: skip
+    assert tokens == expected and elastic.expert_stats["evictions"] > 0 and elastic.runner.num_graph_steps > 0
 
 
 @pytest.mark.gpu
@@ -93,7 +108,8 @@ def test_hybrid_tokens_on_gpu_equal_hugging_face(hybrid, monkeypatch):
     _, tokens = generate(folder, prompts, expert_policy="resident", **options)
     assert tokens == expected
     budget = hybrid_budget(folder, kv_tokens=60, num_states=3, offload=2)
-    elastic, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, **options)
+    elastic, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
+                               **options)  # fmt: skip
     assert tokens == expected and elastic.expert_stats["evictions"] > 0
     expect_no_growth(monkeypatch)
     squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0),
