@@ -129,12 +129,6 @@ class GatedDeltaNet(nn.Module):
         out = self._delta_rule(q, k, v, g, beta, ctx)  # [T, Hv, Dv]
         return self.out_proj(self.norm(out, z).reshape(t, -1))
 
-    def _segments(self, ctx: ForwardContext):
-        """Each request's (first token, end, continues): one host read of the batch layout a pass."""
-        starts = ctx.query_start_loc.tolist()
-        continues = ctx.state_continues.tolist()
-        return [(starts[r], starts[r + 1], continues[r]) for r in range(len(starts) - 1)]
-
     def _all_decodes(self, ctx: ForwardContext, num_tokens: int) -> bool:
         if ctx.decode_only is not None:
             return ctx.decode_only
@@ -145,15 +139,13 @@ class GatedDeltaNet(nn.Module):
         weight, ids = self.conv1d.weight.squeeze(1), ctx.conv_state_ids[self.state_idx]
         if self._all_decodes(ctx, x.shape[0]):
             return ops.causal_conv1d_step(x, ctx.conv_view, ids, weight, None)
-        return torch.cat([ops.causal_conv1d_chunk(x[s:e], ctx.conv_view, int(ids[r]), c, weight, None)
-                          for r, (s, e, c) in enumerate(self._segments(ctx))])  # fmt: skip
+        return ops.causal_conv1d_prefill(x, ctx.conv_view, ids, ctx.query_start_loc, ctx.state_continues, weight, None)
 
     def _delta_rule(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:
         ids = ctx.ssm_state_ids[self.state_idx]
         if self._all_decodes(ctx, q.shape[0]):
             return ops.gated_delta_step(q, k, v, g, beta, ctx.ssm_view, ids)
-        return torch.cat([ops.gated_delta_chunk(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ctx.ssm_view,
-                                                int(ids[r]), c) for r, (s, e, c) in enumerate(self._segments(ctx))])  # fmt: skip
+        return ops.gated_delta_prefill(q, k, v, g, beta, ctx.ssm_view, ids, ctx.query_start_loc, ctx.state_continues)
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):

@@ -112,3 +112,14 @@ def causal_conv1d_chunk(x, conv_view: torch.Tensor, state_id: int, continues: bo
     """The causal conv over one request's chunk, its history carried in `conv_view[state_id]`; see
     `rimuru.ops.reference.causal_conv1d_chunk`."""
     return torch.ops.rimuru.causal_conv1d_chunk(x, conv_view, state_id, continues, weight, bias)
+
+
+def gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues) -> torch.Tensor:
+    """The gated delta rule over a packed batch of prompt chunks, each request's state carried through its page;
+    see `rimuru.ops.reference.gated_delta_prefill`."""
+    return torch.ops.rimuru.gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
+
+
+def causal_conv1d_prefill(x, conv_view, state_ids, query_start_loc, continues, weight, bias=None) -> torch.Tensor:
+    """The causal conv over a packed batch of prompt chunks; see `rimuru.ops.reference.causal_conv1d_prefill`."""
+    return torch.ops.rimuru.causal_conv1d_prefill(x, conv_view, state_ids, query_start_loc, continues, weight, bias)

@@ -1,11 +1,16 @@
-"""`rimuru::gated_delta_step`, `rimuru::gated_delta_chunk`, `rimuru::causal_conv1d_step`, `rimuru::causal_conv1d_chunk`:
-a hybrid model's linear-attention layers over their state pages, each state updated in place in its page.
+"""`rimuru::gated_delta_step`, `rimuru::gated_delta_chunk`, `rimuru::gated_delta_prefill`, `rimuru::causal_conv1d_step`,
+`rimuru::causal_conv1d_chunk`, `rimuru::causal_conv1d_prefill`: a hybrid model's linear-attention layers over their
+state pages, each state updated in place in its page.
 
 The references in `rimuru.ops.reference` are the kernels on the CPU, and for prompt chunks on every device for now.
 On a GPU the decode steps run Triton kernels that read and write each request's state where it lies in its page
 (through `state_ids`, no gather and scatter of whole states): one program a request, value head and block of
-value dims for the delta rule, one a request and block of channels for the conv.
+value dims for the delta rule, one a request and block of channels for the conv. A packed batch of prompt chunks
+(`*_prefill`) runs on a GPU as flash-linear-attention's chunked delta rule over the batch (the states gathered from
+their pages and written back once) when that package is installed, and as a few gathers for the conv.
 """
+
+import functools
 
 import torch
 import triton
@@ -40,6 +45,30 @@ def _gated_delta_chunk_fake(q, k, v, g, beta, ssm_view, state_id, continues):
 def causal_conv1d_step(x: torch.Tensor, conv_view: torch.Tensor, state_ids: torch.Tensor, weight: torch.Tensor,
                        bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
     return reference.causal_conv1d_step(x, conv_view, state_ids, weight, bias)
+
+
+@torch.library.custom_op("rimuru::gated_delta_prefill", mutates_args=("ssm_view",))
+def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                        ssm_view: torch.Tensor, state_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                        continues: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    return reference.gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
+
+
+@gated_delta_prefill.register_fake
+def _gated_delta_prefill_fake(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues):
+    return torch.empty_like(v)
+
+
+@torch.library.custom_op("rimuru::causal_conv1d_prefill", mutates_args=("conv_view",))
+def causal_conv1d_prefill(x: torch.Tensor, conv_view: torch.Tensor, state_ids: torch.Tensor,
+                          query_start_loc: torch.Tensor, continues: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    return reference.causal_conv1d_prefill(x, conv_view, state_ids, query_start_loc, continues, weight, bias)
+
+
+@causal_conv1d_prefill.register_fake
+def _causal_conv1d_prefill_fake(x, conv_view, state_ids, query_start_loc, continues, weight, bias):
+    return torch.empty_like(x)
 
 
 @causal_conv1d_step.register_fake
@@ -167,3 +196,64 @@ def _gated_delta_step_cuda(q, k, v, g, beta, ssm_view, state_ids):
 @causal_conv1d_step.register_kernel("cuda")
 def _causal_conv1d_step_cuda(x, conv_view, state_ids, weight, bias):
     return causal_conv1d_step_triton(x, conv_view, state_ids, weight, bias)
+
+
+@functools.cache
+def _fla_chunk_gated_delta_rule():
+    """flash-linear-attention's chunked delta rule, or None where the package is not installed."""
+    try:
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    except ImportError:
+        return None
+    return chunk_gated_delta_rule
+
+
+def gated_delta_prefill_fla(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues):
+    """The packed batch through flash-linear-attention (its q/k L2 norm, scale Dk^-0.5 and grouped value heads are
+    the reference's): each request's state gathered from its page (zero where it starts), written back once."""
+    ids = state_ids.long()
+    initial = ssm_view[ids].float() * continues[:, None, None, None]  # [B, Hv, Dk, Dv]
+    out, final = _fla_chunk_gated_delta_rule()(q[None], k[None], v[None], g[None].float(), beta[None].float(),
+                                               initial_state=initial, output_final_state=True,
+                                               use_qk_l2norm_in_kernel=True, cu_seqlens=query_start_loc.long())  # fmt: skip
+    ssm_view[ids] = final.to(ssm_view.dtype)
+    return out[0].to(v.dtype)
+
+
+def causal_conv1d_prefill_gathered(x, conv_view, state_ids, query_start_loc, continues, weight, bias):
+    """The packed batch's conv in a few gathers, no loop over requests: each token's window of W inputs picked
+    from the batch's inputs and the requests' kept histories (zero where a request starts), and each request's
+    last W - 1 inputs written back to its page."""
+    num_tokens, channels = x.shape
+    width, dev = weight.shape[1], x.device
+    keep, starts = width - 1, query_start_loc.long()
+    lengths, num_requests = starts.diff(), len(state_ids)
+    live = (state_ids >= 0) & (lengths > 0)
+    history = conv_view[state_ids.clamp(min=0).long()].to(x.dtype) * (continues & live)[:, None, None]  # [B, C, W-1]
+    source = torch.cat([x, history.transpose(1, 2).reshape(num_requests * keep, channels)])  # [T + B (W-1), C]
+
+    def rows(request, position):  # input `position` of `request` (< 0: from its history) as a row of `source`
+        return torch.where(position >= 0, starts[request] + position,
+                           num_tokens + request * keep + keep + position)  # fmt: skip
+
+    request = torch.repeat_interleave(torch.arange(num_requests, device=dev), lengths)  # [T]
+    offset = torch.arange(num_tokens, device=dev) - starts[request]  # [T] a token's place in its request's chunk
+    taps = torch.arange(width, device=dev) - keep  # [W]
+    window = source[rows(request[:, None], offset[:, None] + taps)]  # [T, W, C]
+    y = (window.float() * weight.float().T).sum(1) + (0 if bias is None else bias.float())  # [T, C]
+    out = torch.nn.functional.silu(y).to(x.dtype) * live[request][:, None]
+    kept = rows(torch.arange(num_requests, device=dev)[:, None], lengths[:, None] + taps[:-1])  # [B, W-1]
+    conv_view[state_ids[live].long()] = source[kept[live]].transpose(1, 2).to(conv_view.dtype)
+    return out
+
+
+@gated_delta_prefill.register_kernel("cuda")
+def _gated_delta_prefill_cuda(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues):
+    if _fla_chunk_gated_delta_rule() is None or bool((state_ids < 0).any()):
+        return reference.gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
+    return gated_delta_prefill_fla(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
+
+
+@causal_conv1d_prefill.register_kernel("cuda")
+def _causal_conv1d_prefill_cuda(x, conv_view, state_ids, query_start_loc, continues, weight, bias):
+    return causal_conv1d_prefill_gathered(x, conv_view, state_ids, query_start_loc, continues, weight, bias)

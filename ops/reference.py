@@ -256,3 +256,30 @@ def causal_conv1d_chunk(
                                    else bias.float(), groups=weight.shape[0])[0]  # fmt: skip
     conv_view[state_id] = window[:, -conv_view.shape[-1]:].to(conv_view.dtype)
     return torch.nn.functional.silu(y).transpose(0, 1).to(x.dtype).contiguous()
+
+
+def gated_delta_prefill(q, k, v, g, beta, ssm_view: torch.Tensor, state_ids: torch.Tensor,
+                        query_start_loc: torch.Tensor, continues: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """`gated_delta_chunk` over each request's tokens of a packed batch (q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta
+    [T, Hv]; request r's tokens from query_start_loc[r]), its state from and back into page state_ids[r] (< 0:
+    no state, zero output), starting from zero where continues[r] is False."""
+    out = torch.zeros_like(v)
+    starts, ids, carried = query_start_loc.tolist(), state_ids.tolist(), continues.tolist()
+    for r, state_id in enumerate(ids):
+        s, e = starts[r], starts[r + 1]
+        if state_id >= 0 and e > s:
+            out[s:e] = gated_delta_chunk(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e], ssm_view, state_id, carried[r])
+    return out
+
+
+def causal_conv1d_prefill(x: torch.Tensor, conv_view: torch.Tensor, state_ids: torch.Tensor,
+                          query_start_loc: torch.Tensor, continues: torch.Tensor, weight: torch.Tensor,
+                          bias: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """`causal_conv1d_chunk` over each request's tokens of a packed batch (x [T, C]), as `gated_delta_prefill`."""
+    out = torch.zeros_like(x)
+    starts, ids, carried = query_start_loc.tolist(), state_ids.tolist(), continues.tolist()
+    for r, state_id in enumerate(ids):
+        s, e = starts[r], starts[r + 1]
+        if state_id >= 0 and e > s:
+            out[s:e] = causal_conv1d_chunk(x[s:e], conv_view, state_id, carried[r], weight, bias)
+    return out

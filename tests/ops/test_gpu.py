@@ -294,3 +294,31 @@ def test_linear_attention_decode_kernels_update_the_pages_in_place(num_requests)
     ref = reference.causal_conv1d_step(x, ref_conv, ids, weight, None)
     tri = ops.causal_conv1d_step(x, conv, ids, weight, None)
     assert rel_err(tri, ref) < 1e-2 and torch.equal(conv, ref_conv)
+
+
+@pytest.mark.parametrize("lengths", [[1, 40, 7], [300, 64]])
+def test_linear_attention_prefill_on_gpu_equals_the_chunks(lengths):
+    """A packed batch of prompt chunks at Qwen3.5-35B's geometry: flash-linear-attention's delta rule (where it is
+    installed; else the reference on both sides) and the gathered conv against the references, states through
+    scattered pages."""
+    gen = torch.Generator("cuda").manual_seed(len(lengths))
+    tokens, n = sum(lengths), len(lengths)
+    q, k = torch.randn(2, tokens, 16, 128, device="cuda", generator=gen).bfloat16().unbind(0)
+    v = torch.randn(tokens, 32, 128, device="cuda", generator=gen).bfloat16()
+    g = -torch.rand(tokens, 32, device="cuda", generator=gen) * 0.5
+    beta = torch.rand(tokens, 32, device="cuda", generator=gen).bfloat16()
+    starts = torch.tensor([0, *lengths], device="cuda").cumsum(0).to(torch.int32)
+    ids = torch.randperm(2 * n, device="cuda", generator=gen)[:n]
+    continues = torch.arange(n, device="cuda") % 2 == 0
+    pages = torch.randn(2 * n, 32, 128, 128, device="cuda", generator=gen) * 0.1
+    ref_pages = pages.clone()
+    ref = reference.gated_delta_prefill(q, k, v, g, beta, ref_pages, ids, starts, continues)
+    out = ops.gated_delta_prefill(q, k, v, g, beta, pages, ids, starts, continues)
+    assert rel_err(out, ref) < 2e-2 and rel_err(pages, ref_pages) < 2e-2
+    x = torch.randn(tokens, 8192, device="cuda", generator=gen).bfloat16()
+    weight = torch.randn(8192, 4, device="cuda", generator=gen).bfloat16()
+    conv = torch.randn(2 * n, 8192, 3, device="cuda", generator=gen).bfloat16()
+    ref_conv = conv.clone()
+    ref = reference.causal_conv1d_prefill(x, ref_conv, ids, starts, continues, weight, None)
+    out = ops.causal_conv1d_prefill(x, conv, ids, starts, continues, weight, None)
+    assert rel_err(out, ref) < 1e-2 and torch.equal(conv, ref_conv)

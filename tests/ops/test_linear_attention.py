@@ -120,3 +120,52 @@ def test_compile_fullgraph_traces_the_linear_attention_ops():
     torch.testing.assert_close(compiled(args[0], conv2, ssm2, ids, *args[1:]), expected)
     torch.testing.assert_close(ssm2, ssm)
     torch.testing.assert_close(conv2, conv)
+
+
+def _packed_batch(lengths, channels=6, width=4, seed=0):
+    """A packed batch of prompt chunks of `lengths` tokens: conv inputs, pages, state ids and which continue."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(sum(lengths), channels, generator=gen)
+    conv_view = torch.randn(PAGES, channels, width - 1, generator=gen)
+    starts = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    ids = torch.randperm(PAGES, generator=gen)[: len(lengths)]
+    continues = torch.tensor([i % 2 == 0 for i in range(len(lengths))])
+    return x, conv_view, ids, starts, continues, torch.randn(channels, width, generator=gen)
+
+
+@pytest.mark.parametrize("lengths", [[1], [5, 1, 2], [3, 7, 1, 4]])
+def test_causal_conv1d_prefill_gathers_what_the_chunks_compute(lengths):
+    """The GPU form of the packed conv (`causal_conv1d_prefill_gathered`: no loop over requests) against the
+    reference, which runs the chunk op request by request; chunks shorter than the kernel keep part of the old
+    history."""
+    from rimuru.ops.linear_attention import causal_conv1d_prefill_gathered
+
+    x, conv_view, ids, starts, continues, weight = _packed_batch(lengths)
+    bias = torch.randn(x.shape[1])
+    ref_view, view = conv_view.clone(), conv_view.clone()
+    ref = reference.causal_conv1d_prefill(x, ref_view, ids, starts, continues, weight, bias)
+    out = causal_conv1d_prefill_gathered(x, view, ids, starts, continues, weight, bias)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(view, ref_view, rtol=0, atol=0)
+
+
+def test_packed_prefill_ops_equal_the_chunk_ops_request_by_request():
+    lengths = [3, 1, 6]
+    x, conv_view, ids, starts, continues, weight = _packed_batch(lengths)
+    q, k, v, g, beta, state = _delta_inputs(batch=1, tokens=sum(lengths))
+    q, k, v, g, beta = (t[0] for t in (q, k, v, g, beta))
+    ssm_view = torch.randn(PAGES, HV, DK, DV)
+    ssm_ref, conv_ref = ssm_view.clone(), conv_view.clone()
+    out = torch.ops.rimuru.gated_delta_prefill(q, k, v, g, beta, ssm_view, ids, starts, continues)
+    mixed = torch.ops.rimuru.causal_conv1d_prefill(x, conv_view, ids, starts, continues, weight, None)
+    for r, (s, e) in enumerate(zip(starts[:-1].tolist(), starts[1:].tolist())):
+        i, c = int(ids[r]), bool(continues[r])
+        torch.testing.assert_close(out[s:e], reference.gated_delta_chunk(q[s:e], k[s:e], v[s:e], g[s:e], beta[s:e],
+                                                                         ssm_ref, i, c))  # fmt: skip
+        torch.testing.assert_close(mixed[s:e], reference.causal_conv1d_chunk(x[s:e], conv_ref, i, c, weight, None))
+    torch.testing.assert_close(ssm_view, ssm_ref)
+    torch.testing.assert_close(conv_view, conv_ref)
+    torch.library.opcheck(torch.ops.rimuru.gated_delta_prefill.default,
+                          (q, k, v, g, beta, ssm_view, ids, starts, continues))  # fmt: skip
+    torch.library.opcheck(torch.ops.rimuru.causal_conv1d_prefill.default,
+                          (x, conv_view, ids, starts, continues, weight, None))  # fmt: skip
