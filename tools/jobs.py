@@ -92,6 +92,12 @@ def profile(s: Session) -> None:
     s.show_file(s.out / "profile_step.txt", head(40))
 
 
+def linearstate(s: Session) -> None:
+    """The linear layers' decode state update against the copy rate (tools/kernels/linear_state.py)."""
+    s.run(s.tool("tools.kernels.linear_state", "--out", s.out / "linear_state.json"),
+          log=s.out / "linear_state.txt", timeout_s=200, show=tail(6))  # fmt: skip
+
+
 def stepab(s: Session) -> None:
     """The decode step at PROFILE_FLAGS (64 resident requests) in this tree and in BASE_TREE (.bench/base: `git
     archive BASE | tar -x -C .bench/base`, carried), alternated this, base, this, base; each lays out its own package."""

@@ -147,6 +147,34 @@ def defaults3(s: Session) -> int:
     return failed
 
 
+FLA_TARGET = "/tmp/fla"  # flash-linear-attention installed here from the carried wheels (.bench/fla/*.whl)
+
+
+def with_fla(s: Session) -> Session:
+    """This session with flash-linear-attention importable: the hybrid's prompt chunks through its delta rule. The
+    wheels (flash_linear_attention, fla_core, einops) are carried in .bench/fla; without them the reference runs."""
+    s.run(["bash", "-c", f"ls .bench/fla/*.whl >/dev/null 2>&1 && python -m pip install -q --no-deps --no-index "
+                         f"--target {FLA_TARGET} .bench/fla/*.whl"])  # fmt: skip
+    return s.with_knobs(PYTHONPATH=f"{FLA_TARGET}:{s.env.get('PYTHONPATH', '')}")
+
+
+def hybrid35(s: Session) -> int:
+    """Qwen3.5-35B-A3B (.bench/qwen3.5-35b-a3b): at BUDGET (48 GiB, where its weights do not fit) no policy flags
+    beside FIXED (fixed64 fixed128 fixed192 of its 256 experts a layer), then at 80 GiB resident beside the default;
+    a process each, TIME_LIMIT_S (120) a run."""
+    s = with_fla(s)
+    flags = f"--time-limit-s {s.knob('TIME_LIMIT_S', '120')} {s.knob('BENCH_FLAGS')}"
+    runs = [(s.knob("BUDGET", "48GiB"), ["default", *s.knob("FIXED", "fixed64 fixed128 fixed192").split()]),
+            ("80GiB", ["resident", "default"])]  # fmt: skip
+    failed = 0
+    for budget, names in runs:
+        q = s.with_knobs(MODEL=s.knob("MODEL", ".bench/qwen3.5-35b-a3b"), BUDGET=budget, BENCH_FLAGS=flags)
+        for policy in names:
+            name = f"qwen3.5-{budget.removesuffix('GiB')}g-{policy}-r{q.rate}"
+            failed |= policies(q, name, q.stream, ranking_path(q), skew_flags(q), [policy])
+    return failed
+
+
 def shift(s: Session) -> int:
     """The distribution-shift run of the cost-aware adjuster: dummy weights with two router regimes, the ranking
     profiled on the first half; fixed8, elastic8 and cost8 (whose swaps follow the shift)."""
