@@ -5,7 +5,8 @@ of Rimuru: this file runs on the GPU machine with vLLM carried there (`tools/dev
 
     python -m tools.vs_vllm.replay MODEL_DIR --budget-gib 30 --stream a.jsonl --stream b.jsonl --out-dir OUT
 
-Dummy weights from a config folder, prompts as token ids, greedy with ignore_eos (as `rimuru bench`), vLLM's
+Dummy weights from a config folder (or the folder's own safetensors, as tools/vs_vllm/checkpoint.py writes them for
+both engines), prompts as token ids, greedy with ignore_eos (as `rimuru bench`), vLLM's
 defaults otherwise (torch.compile, full and piecewise CUDA graphs, chunked prefill at 2,048 batched tokens, 256
 sequences) but prefix caching, which random prompts never hit. `gpu_memory_utilization` is the budget over the
 GPU's memory, so vLLM and `rimuru bench --gpu-memory-budget` get the same bytes. Writes OUT/vllm-<stream>.json per
@@ -88,7 +89,9 @@ def main() -> None:
 
     total = torch.cuda.get_device_properties(0).total_memory
     utilization = args.budget_gib * 2**30 / total
-    engine_args = EngineArgs(model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+    weights = any(name.endswith(".safetensors") for name in os.listdir(args.model))  # else draw vLLM's own
+    engine_args = EngineArgs(model=args.model, load_format="auto" if weights else "dummy", skip_tokenizer_init=True,
+                             dtype="bfloat16",
                              gpu_memory_utilization=utilization, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
                              max_model_len=args.max_model_len, disable_log_stats=False, seed=0)  # fmt: skip

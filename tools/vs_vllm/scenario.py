@@ -6,7 +6,9 @@ vLLM's parts must be in /tmp/parts (see ../shared/peers/vllm/README.md: one call
 once streams), VS_POLICIES ("resident default"), ORDER=rimuru-first to run Rimuru first, CALL names the call in
 vs-vllm.json (default the commit). VS_VLLM_RECORDS=DIR takes vLLM's records of an earlier call from DIR (carried)
 instead of running it again (/tmp/vllm-last holds the last call's while the machine stays warm). Records, logs and
-the merged table in $OUT.
+the merged table in $OUT. VS_SKEW=S first writes MODEL's random weights at router skew S as a checkpoint
+(tools/vs_vllm/checkpoint.py, under /tmp/vs-checkpoints/<model>-skew<S>) and both engines load it: the same weights,
+routing that leaves cold experts cold, which vLLM's own dummy weights never do.
 """
 
 import re
@@ -22,8 +24,13 @@ LAST = Path("/tmp/vllm-last")  # the last call's vLLM records, VS_VLLM_RECORDS f
 VSITE_ENV = Path("/tmp/vsite/env.sh")  # written by .peers/vllm/install.sh: vLLM's site folder on PYTHONPATH
 
 
+CHECKPOINTS = Path("/tmp/vs-checkpoints")
+
+
 def vsvllm(s: Session) -> int:
     folder = s.out / "vs"
+    if skew := s.knob("VS_SKEW"):
+        s = with_skewed_checkpoint(s, skew)
     streams = s.knob("VS_STREAMS", STREAMS).split()
     names = s.knob("VS_POLICIES", "resident default").split()
     try:
@@ -42,6 +49,15 @@ def vsvllm(s: Session) -> int:
         step()
     merge(s, folder, streams, names)
     return 0
+
+
+def with_skewed_checkpoint(s: Session, skew: str) -> Session:
+    """This session with MODEL the checkpoint of MODEL's random weights at router `skew`, written once a machine."""
+    target = CHECKPOINTS / f"{Path(s.model).name}-skew{skew}"
+    if not (target / "model.safetensors.index.json").is_file():
+        s.run(s.tool("tools.vs_vllm.checkpoint", s.model, "--out", target, "--router-skew", skew),
+              log=s.out / f"checkpoint-{target.name}.log", show=lambda text: text.splitlines()[-1] if text else "")  # fmt: skip
+    return s.with_knobs(MODEL=str(target))
 
 
 def stem(stream: str) -> str:
