@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from tools import jobs, sweeps
 from tools.session import Session
-from tools.vs_vllm.scenario import vsvllm
+from tools.vs_vllm.scenario import stepvs, vsvllm
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,7 @@ SCENARIOS = {s.name: s for s in [
              jobs.sampler),
     Scenario("vsvllm", "~15", "vLLM and Rimuru on the same config, budget and streams (docs/benchmarks/vs-vllm.md)",
              vsvllm),
+    Scenario("stepvs", "~8", "vLLM's and Rimuru's decode step at 1, 16, 64, 256 requests (STEP_BATCHES)", stepvs),
     Scenario("cache", "0.5", "(last) Triton's kernel cache as $OUT/triton-cache.tar.gz.part-* for .bench/",
              jobs.cache),
 ]}  # fmt: skip

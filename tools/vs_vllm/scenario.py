@@ -16,7 +16,7 @@ import shutil
 from collections import Counter
 from pathlib import Path
 
-from tools.session import Session
+from tools.session import Session, first_line
 from tools.sweeps import policy_spec
 
 STREAMS = ".bench/stream-400-r10.jsonl .bench/stream-200-r0.jsonl"
@@ -134,3 +134,25 @@ def startup_lines(folder: Path) -> str:
              if pattern.search(line)]  # fmt: skip
     counts = Counter(lines)
     return "\n".join(f"{counts[line]:7d} {line}" for line in sorted(counts)[:20])
+
+
+def stepvs(s: Session) -> int:
+    """The decode step of vLLM and of Rimuru (all experts resident) at each of STEP_BATCHES (1 16 64 256) requests,
+    from the same stream, at STEP_BUDGET (120 GiB: room for every batch in both engines); vLLM's parts as for
+    vsvllm. Lines "decode step, N running: X ms" of both."""
+    batches = s.knob("STEP_BATCHES", "1 16 64 256").split()
+    s = s.with_knobs(BUDGET=s.knob("STEP_BUDGET", "120GiB"))
+    if not VSITE_ENV.is_file() and s.run(["bash", ".peers/vllm/install.sh", ".peers/vllm/bin"],
+                                         log=s.out / "vllm-install.log") != 0:  # fmt: skip
+        return 1
+    step = ["python", "tools/vs_vllm/decode_step.py", s.model, "--budget-gib", s.budget.removesuffix("GiB"),
+            "--stream", s.stream, "--batch", *batches, "--out", s.out / "vllm-decode-steps.json"]  # fmt: skip
+    s.run(["bash", "-c", f'source {VSITE_ENV} && exec "$@"', "_", *step], log=s.out / "vllm-decode-steps.txt",
+          timeout_s=420, show=lambda text: "\n".join(x for x in text.splitlines() if x.startswith("decode step")))  # fmt: skip
+    for batch in batches:
+        log = s.out / f"rimuru-decode-step-{batch}.txt"
+        s.run(s.tool("tools.engine.profile_step", s.model, *s.dummy, "--stream", s.stream, "--steps", "20",
+                     "--num-requests", batch, "--expert-policy", "resident", "--gpu-memory-budget", s.budget),
+              log=log, timeout_s=150)  # fmt: skip
+        s.say(f"rimuru {first_line(log, 'decode step')}")
+    return 0

@@ -1,0 +1,71 @@
+#!/usr/bin/env python3
+"""vLLM's decode step at a fixed batch, the counterpart of `tools/engine/profile_step.py`'s "decode step" line:
+the same stream's first B prompts admitted, prefilled, then S steps of B decoding requests timed on the host (each
+`step` returns the sampled tokens, so it waits for the GPU).
+
+    python tools/vs_vllm/decode_step.py MODEL_DIR --budget-gib 30 --stream s.jsonl --batch 1 16 64 256 --out f.json
+
+Runs where vLLM is importable (`tools/device_session.sh stepvs`); one engine for every batch (max_num_seqs = the
+largest), dummy weights, vLLM's defaults otherwise as in replay.py.
+"""
+
+import argparse
+import json
+import statistics
+import time
+
+from vllm import EngineArgs, SamplingParams
+from vllm.v1.engine.llm_engine import LLMEngine
+
+STEPS = 20
+
+
+def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str) -> float:
+    """Median host time of `steps` steps of len(prompts) requests, all decoding (prefill steps run first)."""
+    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0, detokenize=False)
+    for i, prompt in enumerate(prompts):
+        engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
+    generated = dict.fromkeys(range(len(prompts)), 0)
+    while min(generated.values()) == 0:  # until every request has its first token: all of them decode from here
+        for out in engine.step():
+            generated[int(out.request_id.rsplit("-", 1)[1])] = len(out.outputs[0].token_ids)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        engine.step()
+        times.append((time.perf_counter() - start) * 1e3)
+    for i in range(len(prompts)):
+        engine.abort_request([f"{tag}-{i}"])
+    while engine.has_unfinished_requests():
+        engine.step()
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("model")
+    parser.add_argument("--budget-gib", type=float, required=True)
+    parser.add_argument("--stream", required=True)
+    parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
+    parser.add_argument("--out", required=True)
+    args = parser.parse_args()
+    import torch
+
+    with open(args.stream) as f:
+        prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    utilization = args.budget_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
+    engine = LLMEngine.from_engine_args(EngineArgs(
+        model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
+        gpu_memory_utilization=utilization, max_num_seqs=max(args.batch), enable_prefix_caching=False,
+        max_model_len=2048, seed=0))  # fmt: skip
+    rows = []
+    for batch in args.batch:
+        ms = decode_step_ms(engine, prompts[:batch], STEPS, f"b{batch}")
+        rows.append({"engine": "vllm", "batch": batch, "decode_step_ms": round(ms, 3)})
+        print(f"decode step, {batch} running: {ms:.2f} ms", flush=True)
+    with open(args.out, "w") as f:
+        json.dump({"model": args.model, "budget_gib": args.budget_gib, "rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
