@@ -19,6 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from rimuru.models import parallel
+
 from .host_memory import pinned_empty
 
 _PREFIXES = (
@@ -152,16 +154,18 @@ class ExpertCollector:
         if layer_idx not in self.layers or (expert_id is not None and expert_id >= self.shape[0]):
             return False
         weights, filled = self.layers[layer_idx], self.filled[layer_idx]
-        if expert_id is not None:
-            getattr(weights, name)[expert_id].copy_(tensor)
+        e, f, d = self.shape  # f: this rank's features of each expert (`rimuru.models.parallel`)
+        full = f * parallel.shard().size
+        if expert_id is not None:  # gate, up [F, D] split by rows, down [D, F] by columns
+            getattr(weights, name)[expert_id].copy_(parallel.rank_slice(tensor, 1 if name == "down" else 0))
             filled[expert_id, _MATRIX[name]] = True
         elif name == "gate_up_proj":
-            gate_up = _orient(tensor, (self.shape[0], 2 * self.shape[1], self.shape[2]), key)  # [E, 2F, D]
-            weights.gate.copy_(gate_up[:, : self.shape[1]])
-            weights.up.copy_(gate_up[:, self.shape[1] :])
+            gate_up = parallel.rank_slice(_orient(tensor, (e, 2 * full, d), key), 1, parts=2)  # [E, 2F, D]
+            weights.gate.copy_(gate_up[:, :f])
+            weights.up.copy_(gate_up[:, f:])
             filled[:, :2] = True
         else:
-            weights.down.copy_(_orient(tensor, (self.shape[0], self.shape[2], self.shape[1]), key))  # [E, D, F]
+            weights.down.copy_(parallel.rank_slice(_orient(tensor, (e, d, full), key), 2))  # [E, D, F]
             filled[:, 2] = True
         return True
 

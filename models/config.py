@@ -114,6 +114,25 @@ class ModelConfig:
         linear = set(self.linear_layer_ids)
         return [i for i in range(self.num_hidden_layers) if i not in linear]
 
+    def shard(self, size: int) -> "ModelConfig":
+        """The config of one rank's shard at tensor parallel size `size` (`rimuru.models.parallel`): its heads and
+        its slice of every MLP; ValueError naming the first field that `size` does not divide."""
+        if size == 1:
+            return self
+        if self.linear_layer_ids:
+            raise ValueError(f"tensor_parallel_size {size}: {self.architecture!r} has linear-attention layers, whose "
+                             "heads are not split yet")  # fmt: skip
+        fields_split = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
+                        "moe_intermediate_size": self.moe_intermediate_size,
+                        "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
+                        "intermediate_size": self.intermediate_size}  # fmt: skip
+        for name, value in fields_split.items():
+            if value % size:
+                raise ValueError(f"tensor_parallel_size {size} does not divide {name} ({value})")
+        if self.o_proj_bias:
+            raise ValueError(f"tensor_parallel_size {size}: attention_bias on o_proj is not split yet")
+        return self.replace(**{name: value // size for name, value in fields_split.items()})
+
     def replace(self, **changes) -> "ModelConfig":
         values = {f.name: getattr(self, f.name) for f in fields(self)}
         return ModelConfig(**(values | changes))

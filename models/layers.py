@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from rimuru import ops
+from rimuru.models import parallel
 from rimuru.models.config import ModelConfig
 from rimuru.models.context import ForwardContext
 
@@ -59,7 +60,8 @@ class MLP(nn.Module):
         return {"gate_up_proj": (("gate_proj", self.intermediate_size), ("up_proj", self.intermediate_size))}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [T, D]
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))  # [T, 2F] -> [T, F] -> [T, D]
+        # [T, 2F] -> [T, F] -> [T, D]; under tensor parallelism each rank's F slice gives a partial sum
+        return parallel.all_reduce(self.down_proj(ops.silu_and_mul(self.gate_up_proj(x))))
 
 
 class Attention(nn.Module):
@@ -96,4 +98,4 @@ class Attention(nn.Module):
         out = ops.paged_attention(
             q, ctx.kv_view, ctx.kv_page_tables[i], ctx.seq_lens, ctx.query_start_loc, self.scale
         )  # [T, Hq, Dh]
-        return self.o_proj(out.flatten(1))  # [T, D]
+        return parallel.all_reduce(self.o_proj(out.flatten(1)))  # [T, D]: each rank's heads give a partial sum

@@ -14,6 +14,7 @@ from accelerate import init_empty_weights
 from safetensors import safe_open
 from tqdm.auto import tqdm
 
+from rimuru.models import parallel
 from rimuru.models.checkpoint import (
     ExpertCollector,
     ExpertWeights,
@@ -64,7 +65,7 @@ def from_pretrained(
     folder = resolve_folder(path_or_repo_id)
     if not os.path.exists(os.path.join(folder, "config.json")):
         raise FileNotFoundError(f"no config.json in checkpoint folder {folder!r}")
-    config = ModelConfig.from_hf(folder)
+    config = ModelConfig.from_hf(folder).shard(parallel.shard().size)  # this rank's heads and features
     dtype = dtype or config.torch_dtype
     device = torch.device(device)
     with init_empty_weights():
@@ -124,9 +125,10 @@ def _read_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, fold
                     if parsed is not None:
                         accepted = collector.put(name, parsed, f.get_tensor(key))
                     elif name in weights:
-                        shape, wanted = f.get_slice(key).get_shape(), [*weights[name].shape]
+                        tensor = parallel.rank_slice(f.get_tensor(key), parallel.slice_dim(name))
+                        shape, wanted = [*tensor.shape], [*weights[name].shape]
                         if (accepted := shape == wanted):
-                            weights[name].copy_(f.get_tensor(key))
+                            weights[name].copy_(tensor)
                             read.add(name)
                         else:
                             key = f"{key} of shape {shape}, not {wanted}"

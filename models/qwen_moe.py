@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from rimuru import ops
+from rimuru.models import parallel
 from rimuru.models.config import ModelConfig
 from rimuru.models.context import ForwardContext
 from rimuru.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
@@ -88,7 +89,7 @@ class SparseMoeBlock(nn.Module):
         out = ops.paged_moe(x, ctx.expert_view, page_table, topk_ids, topk_weights, self.num_features, host)  # [T, D]
         if self.shared_expert is not None:
             out = ops.sigmoid_gated_add(out, *self.shared_expert(x))
-        return out
+        return parallel.all_reduce(out)  # each rank's slice of every expert gives a partial sum
 
 
 class DecoderLayer(nn.Module):
