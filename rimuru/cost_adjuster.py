@@ -62,7 +62,8 @@ class CostThresholds:
     swap_min_touch_gain: float | None = None  # host touches a step a swap must save; None: 1 / readd_after_rounds
     # an eviction's link time is weighed (1 + this) times against the requests it admits. 0: evict up to the
     # break-even. Near it throughput is flat and the pages still admit requests sooner (mean TTFT): a band of 0.5
-    # refused those and left the cost rule's TTFT 9-35% above the paper rule's at skew 0.5 (paper-scenario.md)
+    # refused those and left the cost rule's TTFT above the paper rule's at skew 0.5 (`git log -p
+    # docs/benchmarks/paper-scenario.md`: the measurement rounds of the cost rule)
     eviction_band: float = 0.0
     # evictions are one-way while requests wait, so noise in the estimates would ratchet the split past the
     # break-even: a refresh votes for a host count (the experts on the host + its profitable evictions) and the
@@ -72,7 +73,8 @@ class CostThresholds:
 
 # measured / predicted link time, as far as it is trusted. Never below 1: the one ratio is set by the warmer experts
 # already offloaded, while the cold nominees' shares come from few routings and were underestimated on the H200
-# (ratios of 1.5-4 at router skew 1.0; 0.64-0.8 at skew 0.5 let the rule over-evict, paper-scenario.md)
+# (ratios above 1 at router skew 1.0, and below 1 at skew 0.5 let the rule over-evict: `git log -p
+# docs/benchmarks/paper-scenario.md`)
 CALIBRATION_RANGE = (1.0, 4.0)
 # nominees one refresh weighs (the cheapest, in one tensor pass; `profitable_evictions` walks them in Python); when
 # all of them pass and evictions use up half before the next refresh, `observe` asks for one at the next pass
