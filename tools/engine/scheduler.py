@@ -46,9 +46,9 @@ class Emulator:
         self.kv_cache = kv_cache_class(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, 4096, device_copy=device)  # None: none
         self.scheduler = Scheduler(SchedulerConfig(MAX_SEQS, 2048), self.kv_cache)
         self.prepare = lambda batch: step_inputs(batch, self.kv_cache.slot)
-        if runner_class is not None:  # an older ModelRunner: its `prepare` reads only `kv_cache`
+        if runner_class is not None:  # another ModelRunner: its `prepare` reads `kv_cache` (and `states`, none here)
             runner = runner_class.__new__(runner_class)
-            runner.kv_cache, self.prepare = self.kv_cache, runner.prepare
+            runner.kv_cache, runner.states, self.prepare = self.kv_cache, None, runner.prepare
         self.next_id = 0
         for _ in range(running):
             self.admit()
