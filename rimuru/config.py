@@ -119,6 +119,9 @@ class EngineConfig:
     # a preempted request's KV: copied to pinned host memory and back ("swap"), or freed and its prompt recomputed
     preemption: str = "swap"
     seed: int = 0
+    # GPUs the model is split over (one process a GPU, started by the engine; gloo processes on the CPU):
+    # gpu_memory_budget is per GPU; each rank holds its heads and its slice of every expert
+    tensor_parallel_size: int = 1
     progress: bool = True
 
     def offload_count(self, num_experts: int) -> int:
@@ -146,7 +149,7 @@ class EngineConfig:
         max_model_len = self.max_model_len or max_position_embeddings
         if max_model_len > max_position_embeddings:
             raise ValueError(f"max_model_len {max_model_len} exceeds the model's context of {max_position_embeddings}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "page_tokens", "router_regimes"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "page_tokens", "router_regimes", "tensor_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name, allowed in CHOICES.items():
@@ -156,7 +159,23 @@ class EngineConfig:
             raise ValueError("copy_compute_ratio and ttft_slo must be >= 0")
         budget = parse_bytes(self.gpu_memory_budget)
         _check_device(device, budget)
+        _check_tensor_parallel(self, device)
         return replace(self, device=device, dtype=dtype, max_model_len=max_model_len, gpu_memory_budget=budget)
+
+
+def _check_tensor_parallel(config: EngineConfig, device: str) -> None:
+    """One line for what a tensor parallel engine cannot do yet, or GPUs it does not have."""
+    import torch
+
+    size = config.tensor_parallel_size
+    if size == 1:
+        return
+    if torch.device(device).type == "cuda" and size > torch.cuda.device_count():
+        raise ValueError(f"tensor_parallel_size {size} exceeds the {torch.cuda.device_count()} GPUs present")
+    if config.expert_reads != "direct":
+        raise ValueError(f"tensor_parallel_size {size} reads host experts in place only: expert_reads='direct'")
+    if config.cuda_graphs:
+        raise ValueError(f"tensor_parallel_size {size} runs steps eagerly for now: leave cuda_graphs unset")
 
 
 def field_docs() -> dict[str, str]:

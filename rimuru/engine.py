@@ -12,6 +12,7 @@ import time
 from dataclasses import replace
 
 import torch
+import torch.distributed as dist
 
 from rimuru.adjuster import Adjuster, ChangeList
 from rimuru.config import EngineConfig, format_bytes, host_memory
@@ -28,7 +29,7 @@ from rimuru.memory import KV, MemoryPool, PageAllocator, fitting_page_tokens, pa
 from rimuru.memory_plan import estimated_reserve, plan_memory
 from rimuru.memory_profile import ProfileShapes, profile_step_memory
 from rimuru.model_runner import ModelRunner
-from rimuru.models import ModelConfig, from_pretrained
+from rimuru.models import ModelConfig, from_pretrained, parallel
 from rimuru.models.checkpoint import resolve_folder
 from rimuru.pool_adjuster import PoolAdjuster, build_adjuster
 from rimuru.popularity import ExpertPopularity
@@ -38,6 +39,15 @@ from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
 from rimuru.step_graphs import capture_step_graphs, graph_limits, graphs_wanted, reserve_scratch_page
 from rimuru.stop import StopChecker
+from rimuru.tensor_parallel import (
+    TIMEOUT_S,
+    StepMessage,
+    broadcast,
+    init_rank,
+    message_for,
+    rendezvous_path,
+    start_workers,
+)
 from rimuru.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger("rimuru")
@@ -57,14 +67,17 @@ class Engine:
                            config.page_tokens)  # fmt: skip
         self.config = config = replace(config, page_tokens=page_tokens)
         self.device = torch.device(config.device)
+        self.workers = self._start_tensor_parallel(config)  # ranks 1.. of tensor_parallel_size; this process is 0
         check_host_memory(model_config, config.dtype)
         use_expandable_segments(self.device)  # before the weights: every segment the engine makes is expandable
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
         self.model_config = self.loaded.config
         self.step_memory = None  # what a step takes outside the pool, where profiled (`rimuru.memory_profile`)
-        wants_graphs = graphs_wanted(config.cuda_graphs, self.device)
+        wants_graphs = graphs_wanted(config.cuda_graphs, self.device) and not self.workers
         self._build_pool(wants_graphs)
+        if self.workers:  # every rank's pool is rank 0's size: the same page ids everywhere
+            broadcast(StepMessage(tensors={"pool_bytes": torch.tensor(self.pool.num_bytes)}))
         scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
         self._place_experts(folder)
         device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
@@ -81,11 +94,14 @@ class Engine:
         self._log_start_up()
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        swap = KVSwap(self.kv_cache, self.pool.kv_view(), self.pool.num_bytes) if config.preemption == "swap" else None
+        swapping = config.preemption == "swap" and not self.workers  # other ranks' KV pages would not come back
+        swap = KVSwap(self.kv_cache, self.pool.kv_view(), self.pool.num_bytes) if swapping else None
         self.states = LinearStateCache(self.allocator, linear_layers) if linear_layers else None
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages, swap, self.states)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
                                   graphs, self.states, state_views)  # fmt: skip
+        if self.workers:
+            self.runner.before_pass = self._send_pass
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.tokenizer = load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, eos_token_ids(folder, self.model_config))
@@ -96,6 +112,27 @@ class Engine:
         self.adjuster_seconds = 0.0
         self.step_phases: dict[str, float] = {}  # the last step's wall seconds by phase (`_PhaseClock`)
         self.closed = False
+
+    def _start_tensor_parallel(self, config: EngineConfig) -> list:
+        """The other ranks' processes, started before this one loads its shard (they load theirs meanwhile)."""
+        size = config.tensor_parallel_size
+        if size == 1:
+            return []
+        rendezvous = rendezvous_path()
+        workers = start_workers(config, size, rendezvous)
+        init_rank(0, size, rendezvous, self.device)
+        logger.info("tensor parallel over %d %s ranks", size, self.device.type)
+        return workers
+
+    def _send_pass(self, input_ids: torch.Tensor, ctx) -> None:
+        """Every rank's pass: the expert copies since the last one, then this pass's inputs and page tables."""
+        try:
+            broadcast(message_for(self.experts.copy_log, input_ids, ctx))
+        except (RuntimeError, dist.DistBackendError) as error:
+            stopped = [f"rank {i} (exit code {w.exitcode})" for i, w in enumerate(self.workers, 1) if not w.is_alive()]
+            raise RuntimeError(f"tensor parallel: {', '.join(stopped) or 'a rank'} stopped answering ({error}); "
+                               "restart the engine") from error  # fmt: skip
+        self.experts.copy_log.clear()
 
     def _log_start_up(self) -> None:
         """One line a user can read: where the weights are, the KV tokens and what they hold, the budget used."""
@@ -161,7 +198,8 @@ class Engine:
         cfg, mc = self.config, self.loaded.config
         captured = wants_graphs and self.device.type == "cuda"  # real graphs keep a memory pool of their own
         graph_seqs, graph_tokens = graph_limits(cfg.max_num_seqs, self._mixed_graph_tokens) if captured else (0, 0)
-        if self.device.type != "cuda" or mc.linear_layer_ids:  # the profile pass has no state pages for a hybrid yet
+        # the profile pass has no state pages for a hybrid yet, and would run on one rank of a tensor parallel group
+        if self.device.type != "cuda" or mc.linear_layer_ids or self.workers:
             if self.device.type == "cuda":
                 logger.warning("the step memory of %r is estimated, not profiled: keep a margin in "
                                "gpu_memory_budget", mc.architecture)  # fmt: skip
@@ -181,6 +219,8 @@ class Engine:
         """Host store, ranking, loading buffers and the start-up placement of the configured policy."""
         cfg, mc = self.config, self.model_config
         self.experts = ExpertStore(self.loaded.experts, mc.num_hidden_layers, self.pool, self.allocator)
+        if self.workers:
+            self.experts.copy_log = []  # each step's copies go to the other ranks (`_send_pass`)
         count = cfg.offload_count(mc.num_experts)
         direct = cfg.expert_reads == "direct"
         if cfg.expert_policy == "elastic" and cfg.expert_offload_limit is None and not direct:
@@ -287,12 +327,28 @@ class Engine:
         if self.closed:
             return
         self.closed = True
+        self._stop_tensor_parallel()
         self.requests.clear()
         for name in self._HOLDERS:
             setattr(self, name, None)
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
+
+    def _stop_tensor_parallel(self) -> None:
+        if not self.workers:
+            return
+        try:
+            broadcast(StepMessage(stop=True))
+        except (RuntimeError, dist.DistBackendError):  # a rank already gone: the others are stopped below
+            pass
+        for worker in self.workers:
+            worker.join(timeout=TIMEOUT_S)
+            if worker.is_alive():
+                worker.kill()
+        dist.destroy_process_group()
+        parallel.init(0, 1)
+        self.workers = []
 
     def _check_open(self) -> None:
         if self.closed:

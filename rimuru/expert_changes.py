@@ -27,7 +27,7 @@ class ExpertChanges:
             page_ids = self.store.reserve(layer, expert)
             if page_ids is None:
                 break
-            event = self.copier.copy(page_ids, self.store.host_rows(layer, expert))
+            event = self.store.copy_in(layer, expert, page_ids)
             self.pending_add[(layer, expert)] = (page_ids, event)
         self.pending_evict = list(changes.evict)
         self.pending_swap = list(changes.swap)
@@ -56,7 +56,7 @@ class ExpertChanges:
         self.store.evict(layer, expert_out)
         page_ids = self.store.reserve(layer, expert_in)  # NOTE: never None: three expert pages were just freed
         last_reader = self.copier.compute_mark()  # the pass that read the evicted expert's pages
-        event = self.copier.copy(page_ids, self.store.host_rows(layer, expert_in), after=last_reader)
+        event = self.store.copy_in(layer, expert_in, page_ids, after=last_reader)
         self.pending_add[(layer, expert_in)] = (page_ids, event)
         self.stats.swaps += 1
 

@@ -29,6 +29,7 @@ class ExpertStore:
         self.offloaded: dict[int, set[int]] = {layer: set(range(self.num_experts)) for layer in self.layer_ids}
         self.versions = [0] * num_layers  # per layer, bumped at every change of its table: copies of a row go stale
         self._host_rows: dict[tuple[int, int], tuple] = {}  # (layer, expert) -> `host_rows`
+        self.copy_log: list[tuple[int, int, list[int]]] | None = None  # the copies since it was last read (`copy_in`)
 
     @property
     def num_expert_pages(self) -> int:
@@ -57,8 +58,15 @@ class ExpertStore:
             )
         for layer, expert in wanted:
             page_ids = self.reserve(layer, expert)
-            self.copier.copy(page_ids, self.host_rows(layer, expert), side_stream=False)
+            self.copy_in(layer, expert, page_ids, side_stream=False)
             self.publish(layer, expert, page_ids)
+
+    def copy_in(self, layer: int, expert: int, page_ids: list[int], **options):
+        """Start copying an expert's host matrices into its pages (`ExpertCopier.copy`'s event); logged in
+        `copy_log` when there is one (tensor parallel ranks copy their own slices into the same pages)."""
+        if self.copy_log is not None:
+            self.copy_log.append((layer, expert, list(page_ids)))
+        return self.copier.copy(page_ids, self.host_rows(layer, expert), **options)
 
     def host_mask(self) -> torch.Tensor:
         """[MoE layers, E] bool, True where the expert is on the host (rows in `layer_ids` order), from the host

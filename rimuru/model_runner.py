@@ -53,6 +53,7 @@ class ModelRunner:
         self.model, self.kv_cache, self.kv_view, self.experts = model, kv_cache, kv_view, experts
         self.graphs = graphs
         self.states, self.state_views = states, state_views  # a hybrid model's state pages: (SSM view, conv view)
+        self.before_pass = None  # called with an eager pass's (input ids, context): tensor parallel ranks get them
         self.device = kv_view.device
         self.num_graph_steps = 0  # steps run as graph replays
 
@@ -67,7 +68,10 @@ class ModelRunner:
             _, hook = self.experts.pass_routing(fixed_tables=True, counted=self.graphs.count_pass is not None)
             self.num_graph_steps += 1
             return self.graphs.run(inputs, hook, shape).float(), inputs.sample_rows
-        logits = self.model(inputs.input_ids.to(self.device, non_blocking=True), self.context(inputs))  # [B', V]
+        input_ids, ctx = inputs.input_ids.to(self.device, non_blocking=True), self.context(inputs)
+        if self.before_pass is not None:
+            self.before_pass(input_ids, ctx)
+        logits = self.model(input_ids, ctx)  # [B', V]
         return logits.float(), inputs.sample_rows
 
     def prepare(self, batch: ScheduledBatch) -> StepInputs:

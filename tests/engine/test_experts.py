@@ -83,7 +83,7 @@ def budget_for(folder: str, kv_tokens: int, offload: int, **options) -> int:
     expert_pages = engine.experts.num_expert_pages + 2 * offload * 3
     kv_pages = -(-kv_tokens // sizes.page_tokens) * config.num_hidden_layers
     pages = expert_pages + -(-kv_pages // sizes.kv_pages_per_expert_page)
-    del engine
+    engine.close()  # its memory, and a tensor parallel engine's other ranks
     free_gpu_memory()
     return plan.weights_bytes + plan.activation_bytes + pages * sizes.expert_page_bytes
 

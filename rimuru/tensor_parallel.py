@@ -1,0 +1,124 @@
+"""Tensor parallelism in the engine: rank 0 is the engine (scheduler, adjuster, allocator, sampler), every other
+rank a `Worker` process that holds its shard of the weights (`rimuru.models.parallel`) and a pool of the same size
+and geometry, and does what rank 0 tells it each step (docs/architecture.md, Tensor parallelism).
+
+Rank 0 owns every decision, so the page tables agree by construction: each step it broadcasts one `StepMessage`,
+the expert copies since the last one (layer, expert, page ids: each rank copies its own slice of that expert into
+the same pages) and the pass's inputs with every page table it reads. Each rank then runs the same forward pass,
+whose all-reduces meet; only rank 0 samples. Expert reads are direct (a host expert is read where it lies, by
+every rank from its own pinned slices), so no routing hook acts mid-pass. A rank that dies or hangs fails rank 0's
+next collective after `TIMEOUT_S` with torch.distributed's error, never a silent hang.
+"""
+
+import logging
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from rimuru.memory import MemoryPool, page_sizes_for_model
+from rimuru.models import ForwardContext, from_pretrained, parallel
+
+logger = logging.getLogger("rimuru")
+
+TIMEOUT_S = 120.0  # a collective that waits longer than this for a rank fails instead of hanging
+
+
+@dataclass
+class StepMessage:
+    """What every rank needs for one pass, as host tensors; `stop` ends a worker."""
+
+    copies: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (layer, expert, its three page ids)
+    input_ids: torch.Tensor | None = None  # [T]
+    tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the ForwardContext's tensors
+    stop: bool = False
+
+
+CONTEXT_TENSORS = ("positions", "query_start_loc", "seq_lens", "kv_page_tables", "slot_mappings",
+                   "expert_page_tables", "logits_indices")  # fmt: skip
+
+
+def message_for(copies, input_ids: torch.Tensor, ctx: ForwardContext) -> StepMessage:
+    return StepMessage(list(copies), input_ids.cpu(), {name: getattr(ctx, name).cpu() for name in CONTEXT_TENSORS})
+
+
+def broadcast(message: StepMessage | None) -> StepMessage:
+    """Rank 0's message on every rank (rank 0 passes it, the others None)."""
+    box = [message]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def init_rank(rank: int, size: int, rendezvous: str, device: torch.device) -> None:
+    """Join the group of `size` (gloo on the CPU, NCCL on GPUs, one GPU a rank) and set this rank's shard."""
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if device.type == "cuda":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=size,
+                            timeout=timedelta(seconds=TIMEOUT_S))  # fmt: skip
+    parallel.init(rank, size)
+
+
+def start_workers(config, size: int, rendezvous: str) -> list:
+    """Ranks 1 .. size-1 as processes of their own (spawned: no state of this one is inherited)."""
+    context = mp.get_context("spawn")
+    workers = [context.Process(target=worker_main, args=(rank, size, config, rendezvous), daemon=True)
+               for rank in range(1, size)]  # fmt: skip
+    for worker in workers:
+        worker.start()
+    return workers
+
+
+def worker_main(rank: int, size: int, config, rendezvous: str) -> None:
+    device = torch.device(config.device)
+    init_rank(rank, size, rendezvous, device)
+    try:
+        Worker(config, device).serve()
+    finally:
+        dist.destroy_process_group()
+
+
+class Worker:
+    """A rank other than 0: its shard, its pool (the size rank 0 broadcasts), its host slices of the experts."""
+
+    def __init__(self, config, device: torch.device):
+        loaded = from_pretrained(config.model, device, config.dtype, config.load_format, config.router_skew, False,
+                                 config.seed, config.router_regimes)  # fmt: skip
+        self.model, self.experts = loaded.model, loaded.experts
+        pool_bytes = broadcast(None).tensors["pool_bytes"].item()
+        sizes = page_sizes_for_model(loaded.config, config.dtype, config.page_tokens)
+        self.pool = MemoryPool(sizes, pool_bytes, device)
+        self.kv_view, self.expert_view = self.pool.kv_view(), self.pool.expert_view()
+        self.host_experts = {layer: (w.gate, w.up, w.down) for layer, w in self.experts.items()}
+        self.device = device
+
+    def serve(self) -> None:
+        while not (message := broadcast(None)).stop:
+            self.copy(message.copies)
+            if message.input_ids is not None:
+                self.forward(message)
+
+    def copy(self, copies) -> None:
+        for layer, expert, page_ids in copies:
+            for page, matrix in zip(page_ids, self.experts[layer].matrices(expert)):
+                self.expert_view[page].copy_(matrix.reshape(-1), non_blocking=True)
+
+    @torch.inference_mode()
+    def forward(self, message: StepMessage) -> None:
+        tensors = {name: t.to(self.device) for name, t in message.tensors.items()}
+        ctx = ForwardContext(**tensors, kv_view=self.kv_view, expert_view=self.expert_view,
+                             host_experts=self.host_experts)  # fmt: skip
+        self.model(message.input_ids.to(self.device), ctx)  # its all-reduces meet rank 0's; the logits go unused
+
+
+def rendezvous_path() -> str:
+    """A fresh file for the ranks to meet at (torch.distributed's file:// rendezvous)."""
+    import tempfile
+
+    handle, path = tempfile.mkstemp(prefix="rimuru-tp-")
+    os.close(handle)
+    os.unlink(path)
+    return path

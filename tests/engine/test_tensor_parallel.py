@@ -1,0 +1,56 @@
+"""Tensor parallelism in the engine (`rimuru.tensor_parallel`): two gloo ranks on the CPU, rank 0 the engine and
+rank 1 a worker process, give Hugging Face's greedy tokens with every expert resident, with a fixed offload and
+under the elastic pool on a tight budget, and through preemption; a rank that dies fails the next step in one line."""
+
+import pytest
+
+from rimuru import LLM
+from tests.engine.conftest import expect_no_growth
+from tests.engine.test_experts import GREEDY, budget_for
+
+TP = dict(tensor_parallel_size=2)
+
+
+def generate(folder, prompts, **options):
+    """(the engine's expert stats with its offloaded experts and preemptions, greedy tokens), the engine closed."""
+    with LLM(folder, progress=False, **TP, **options) as llm:
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        engine = llm.engine
+        engine.allocator.check_integrity()
+        facts = engine.expert_stats | {"offloaded": engine.experts.num_offloaded,
+                                       "preemptions": engine.scheduler.num_preemptions}  # fmt: skip
+    return facts, tokens
+
+
+def test_two_ranks_give_hugging_faces_tokens_under_every_policy(family, monkeypatch):
+    folder, prompts, expected = family
+    _, tokens = generate(folder, prompts, expert_policy="resident")
+    assert tokens == expected
+    budget = budget_for(folder, kv_tokens=60, offload=3, **TP)  # a rank's budget: its pool holds its slices
+    elastic, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper")
+    assert tokens == expected and elastic["evictions"] > 0 and elastic["additions"] > 0
+    fixed, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_policy="fixed", offload_per_layer=3)
+    assert tokens == expected and fixed["offloaded"] > 0
+    expect_no_growth(monkeypatch)
+    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=budget_for(folder, 24, 0, **TP),
+                                expert_offload_limit=1)  # fmt: skip
+    assert tokens == expected and squeezed["preemptions"] > 0
+
+
+def test_a_rank_that_dies_fails_the_next_step_in_one_line(family):
+    folder, prompts, _ = family
+    llm = LLM(folder, progress=False, **TP)
+    worker = llm.engine.workers[0]
+    worker.kill()
+    worker.join()
+    with pytest.raises(RuntimeError, match="^tensor parallel: rank 1 \\(exit code -9\\) stopped answering"):
+        llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+    llm.engine.close()
+
+
+def test_what_tensor_parallelism_cannot_do_yet_is_refused_in_one_line(family):
+    folder = family[0]
+    with pytest.raises(ValueError, match="^tensor_parallel_size 2 reads host experts in place only"):
+        LLM(folder, progress=False, expert_reads="copy", **TP)
+    with pytest.raises(ValueError, match="^tensor_parallel_size 2 runs steps eagerly"):
+        LLM(folder, progress=False, cuda_graphs=True, **TP)
