@@ -116,7 +116,8 @@ class ModelConfig:
 
     def shard(self, size: int) -> "ModelConfig":
         """The config of one rank's shard at tensor parallel size `size` (`rimuru.models.parallel`): its heads and
-        its slice of every MLP; ValueError naming the first field that `size` does not divide."""
+        its slice of every MLP (the vocabulary stays whole here: the embedding and the LM head split it themselves);
+        ValueError naming the first field that `size` does not divide."""
         if size == 1:
             return self
         if self.linear_layer_ids:
@@ -126,7 +127,7 @@ class ModelConfig:
                         "moe_intermediate_size": self.moe_intermediate_size,
                         "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
                         "intermediate_size": self.intermediate_size}  # fmt: skip
-        for name, value in fields_split.items():
+        for name, value in (fields_split | {"vocab_size": self.vocab_size}).items():
             if value % size:
                 raise ValueError(f"tensor_parallel_size {size} does not divide {name} ({value})")
         if self.o_proj_bias:

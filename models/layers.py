@@ -31,6 +31,33 @@ class RMSNorm(nn.Module):
         return ops.add_rms_norm(x, residual, self.weight, self.eps)
 
 
+class VocabParallelEmbedding(nn.Embedding):
+    """The embedding rows of this rank's slice of the vocabulary (`rimuru.models.parallel`): a token outside it
+    looks up zeros, and the all-reduce adds the one rank's row that holds it."""
+
+    def __init__(self, vocab_size: int, hidden_size: int):
+        shard = parallel.shard()
+        self.num_local, self.first = vocab_size // shard.size, shard.rank * (vocab_size // shard.size)
+        super().__init__(self.num_local, hidden_size)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, D]
+        if parallel.shard().size == 1:
+            return super().forward(input_ids)
+        local = input_ids - self.first
+        inside = (local >= 0) & (local < self.num_local)
+        return parallel.all_reduce(super().forward(local.clamp(0, self.num_local - 1)) * inside[:, None])
+
+
+class ParallelLMHead(nn.Linear):
+    """The LM head's rows of this rank's slice of the vocabulary; the ranks' logits are gathered side by side."""
+
+    def __init__(self, hidden_size: int, vocab_size: int):
+        super().__init__(hidden_size, vocab_size // parallel.shard().size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [B', D] -> [B', V]
+        return parallel.all_gather_last(super().forward(x))
+
+
 class RotaryEmbedding(nn.Module):
     """cos/sin tables of the default (neox) RoPE for the positions of one step."""
 

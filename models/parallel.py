@@ -3,9 +3,10 @@ collectives a layer needs (docs/architecture.md, Tensor parallelism).
 
 Rank r of `size` holds heads [r H/size, (r+1) H/size) of attention (column-parallel q, k, v; row-parallel o), and
 features [r F/size, (r+1) F/size) of every MLP: the dense ones, the shared expert and each routed expert (gate and
-up by rows, down by columns), so the pool's expert pages hold F/size-wide slices. The router, the norms, the
-embedding and the LM head are whole on every rank. Each rank's attention and MLP outputs are partial sums, added
-across ranks by one all-reduce each. The state is per process (one rank a process), as torch.distributed's is; a
+up by rows, down by columns), so the pool's expert pages hold F/size-wide slices, and rows [r V/size, (r+1) V/size)
+of the embedding and the LM head. The router and the norms are whole on every rank. Each rank's attention and MLP
+outputs and its embedding rows are partial sums, added across ranks by one all-reduce each; the LM head's logits
+are gathered. The state is per process (one rank a process), as torch.distributed's is; a
 single process is rank 0 of 1 and every collective is a no-op.
 """
 
@@ -28,6 +29,7 @@ _shard = Shard()
 # rank reads its inputs); every other key is whole on every rank
 _ROWS = re.compile(r".*\.(self_attn\.(q|k|v)_proj|mlp\.(shared_expert\.)?(gate|up)_proj)\.(weight|bias)")
 _COLUMNS = re.compile(r".*\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight")
+_VOCABULARY = re.compile(r"(model\.embed_tokens|lm_head)\.weight")
 
 
 def init(rank: int, size: int) -> None:
@@ -49,9 +51,18 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def all_gather_last(x: torch.Tensor) -> torch.Tensor:
+    """Every rank's `x` side by side along the last dimension, in rank order (`x` itself on one rank)."""
+    if _shard.size == 1:
+        return x
+    parts = [torch.empty_like(x) for _ in range(_shard.size)]
+    dist.all_gather(parts, x.contiguous())
+    return torch.cat(parts, dim=-1)
+
+
 def slice_dim(key: str) -> int | None:
     """The dimension of checkpoint tensor `key` that ranks split (0 rows, 1 columns), None when it is whole."""
-    if _ROWS.fullmatch(key):
+    if _ROWS.fullmatch(key) or _VOCABULARY.fullmatch(key):
         return 0
     if _COLUMNS.fullmatch(key):
         return 1

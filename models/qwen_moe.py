@@ -16,7 +16,7 @@ from rimuru import ops
 from rimuru.models import parallel
 from rimuru.models.config import ModelConfig
 from rimuru.models.context import ForwardContext
-from rimuru.models.layers import MLP, Attention, RMSNorm, RotaryEmbedding
+from rimuru.models.layers import MLP, Attention, ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
 from rimuru.models.pieces import Pieces, RoutingPoint, run_pieces
 
 
@@ -116,7 +116,7 @@ class QwenMoeModel(nn.Module):
 
     def __init__(self, config: ModelConfig, use_qk_norm: bool):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(config, i, use_qk_norm) for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
@@ -141,7 +141,7 @@ class QwenMoeForCausalLM(nn.Module):
             raise ValueError(f"{type(self).__name__} cannot run a {config.architecture!r} checkpoint")
         self.config = config
         self.model = self.build_model(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(config.hidden_size, config.vocab_size)
         self.tie_weights()
 
     def build_model(self, config: ModelConfig) -> nn.Module:
