@@ -40,13 +40,13 @@ from rimuru.scheduler import Scheduler, SchedulerConfig
 from rimuru.step_graphs import capture_step_graphs, graph_limits, graphs_wanted, reserve_scratch_page
 from rimuru.stop import StopChecker
 from rimuru.tensor_parallel import (
-    TIMEOUT_S,
     StepMessage,
     broadcast,
     init_rank,
     message_for,
     rendezvous_path,
     start_workers,
+    timeout_s,
 )
 from rimuru.tokenizer import eos_token_ids, load_tokenizer
 
@@ -343,7 +343,7 @@ class Engine:
         except (RuntimeError, dist.DistBackendError):  # a rank already gone: the others are stopped below
             pass
         for worker in self.workers:
-            worker.join(timeout=TIMEOUT_S)
+            worker.join(timeout=timeout_s())
             if worker.is_alive():
                 worker.kill()
         dist.destroy_process_group()

@@ -6,8 +6,8 @@ Rank 0 owns every decision, so the page tables agree by construction: each step 
 the expert copies since the last one (layer, expert, page ids: each rank copies its own slice of that expert into
 the same pages) and the pass's inputs with every page table it reads. Each rank then runs the same forward pass,
 whose all-reduces meet; only rank 0 samples. Expert reads are direct (a host expert is read where it lies, by
-every rank from its own pinned slices), so no routing hook acts mid-pass. A rank that dies or hangs fails rank 0's
-next collective after `TIMEOUT_S` with torch.distributed's error, never a silent hang.
+every rank from its own pinned slices), so no routing hook acts mid-pass. A rank that dies fails rank 0's next
+collective at once, one that hangs after `timeout_s()`: never a silent hang.
 """
 
 import logging
@@ -24,7 +24,9 @@ from rimuru.models import ForwardContext, from_pretrained, parallel
 
 logger = logging.getLogger("rimuru")
 
-TIMEOUT_S = 120.0  # a collective that waits longer than this for a rank fails instead of hanging
+def timeout_s() -> float:
+    """Seconds a collective waits for a rank before it fails ($RIMURU_TP_TIMEOUT_S, else 120)."""
+    return float(os.environ.get("RIMURU_TP_TIMEOUT_S", "120"))
 
 
 @dataclass
@@ -58,7 +60,7 @@ def init_rank(rank: int, size: int, rendezvous: str, device: torch.device) -> No
     if device.type == "cuda":
         torch.cuda.set_device(rank)
     dist.init_process_group(backend, init_method=f"file://{rendezvous}", rank=rank, world_size=size,
-                            timeout=timedelta(seconds=TIMEOUT_S))  # fmt: skip
+                            timeout=timedelta(seconds=timeout_s()))  # fmt: skip
     parallel.init(rank, size)
 
 

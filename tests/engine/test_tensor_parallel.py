@@ -2,6 +2,10 @@
 rank 1 a worker process, give Hugging Face's greedy tokens with every expert resident, with a fixed offload and
 under the elastic pool on a tight budget, and through preemption; a rank that dies fails the next step in one line."""
 
+import os
+import signal
+import time
+
 import pytest
 
 from rimuru import LLM
@@ -54,3 +58,20 @@ def test_what_tensor_parallelism_cannot_do_yet_is_refused_in_one_line(family):
         LLM(folder, progress=False, expert_reads="copy", **TP)
     with pytest.raises(ValueError, match="^tensor_parallel_size 2 runs steps eagerly"):
         LLM(folder, progress=False, cuda_graphs=True, **TP)
+
+
+def test_a_rank_that_hangs_fails_the_next_step_within_the_timeout(family, monkeypatch):
+    """A stopped worker (SIGSTOP: alive, answering nothing) makes the step fail after $RIMURU_TP_TIMEOUT_S."""
+    folder, prompts, _ = family
+    monkeypatch.setenv("RIMURU_TP_TIMEOUT_S", "5")
+    llm = LLM(folder, progress=False, **TP)
+    worker = llm.engine.workers[0]
+    os.kill(worker.pid, signal.SIGSTOP)
+    start = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match="^tensor parallel: a rank stopped answering"):
+            llm.generate(prompts[:2], GREEDY, use_tqdm=False)
+        assert time.monotonic() - start < 60
+    finally:
+        os.kill(worker.pid, signal.SIGKILL)
+        llm.engine.close()
