@@ -213,9 +213,10 @@ def gated_delta_prefill_fla(q, k, v, g, beta, ssm_view, state_ids, query_start_l
     the reference's): each request's state gathered from its page (zero where it starts), written back once."""
     ids = state_ids.long()
     initial = ssm_view[ids].float() * continues[:, None, None, None]  # [B, Hv, Dk, Dv]
-    out, final = _fla_chunk_gated_delta_rule()(q[None], k[None], v[None], g[None].float(), beta[None].float(),
-                                               initial_state=initial, output_final_state=True,
-                                               use_qk_l2norm_in_kernel=True, cu_seqlens=query_start_loc.long())  # fmt: skip
+    q, k, v, beta = (x.contiguous()[None] for x in (q, k, v, beta))  # [1, T, H, ...]: one packed sequence batch
+    out, final = _fla_chunk_gated_delta_rule()(q, k, v, g.float().contiguous()[None], beta, initial_state=initial,
+                                               output_final_state=True, use_qk_l2norm_in_kernel=True,
+                                               cu_seqlens=query_start_loc.long())  # fmt: skip
     ssm_view[ids] = final.to(ssm_view.dtype)
     return out[0].to(v.dtype)
 
