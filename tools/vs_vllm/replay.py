@@ -84,6 +84,7 @@ def main() -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=2048)
     parser.add_argument("--max-num-seqs", type=int, default=256)
     parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--tensor-parallel-size", type=int, default=1, help="GPUs vLLM splits the model over")
     args = parser.parse_args()
     import torch
 
@@ -94,7 +95,8 @@ def main() -> None:
                              dtype="bfloat16",
                              gpu_memory_utilization=utilization, max_num_batched_tokens=args.max_num_batched_tokens,
                              max_num_seqs=args.max_num_seqs, enable_prefix_caching=False,
-                             max_model_len=args.max_model_len, disable_log_stats=False, seed=0)  # fmt: skip
+                             max_model_len=args.max_model_len, disable_log_stats=False, seed=0,
+                             tensor_parallel_size=args.tensor_parallel_size)  # fmt: skip
     started = time.perf_counter()
     engine = LLMEngine.from_engine_args(engine_args)
     startup = round(time.perf_counter() - started, 1)

@@ -6,7 +6,7 @@ vLLM's parts must be in /tmp/parts (see ../shared/peers/vllm/README.md: one call
 once streams), VS_POLICIES ("resident default"), ORDER=rimuru-first to run Rimuru first, CALL names the call in
 vs-vllm.json (default the commit). VS_VLLM_RECORDS=DIR takes vLLM's records of an earlier call from DIR (carried)
 instead of running it again (/tmp/vllm-last holds the last call's while the machine stays warm). Records, logs and
-the merged table in $OUT. VS_SKEW=S first writes MODEL's random weights at router skew S as a checkpoint
+the merged table in $OUT. VS_TP=N splits both engines over N GPUs (tensor parallelism; BUDGET is per GPU). VS_SKEW=S first writes MODEL's random weights at router skew S as a checkpoint
 (tools/vs_vllm/checkpoint.py, under /tmp/vs-checkpoints/<model>-skew<S>) and both engines load it: the same weights,
 routing that leaves cold experts cold, which vLLM's own dummy weights never do.
 """
@@ -78,7 +78,8 @@ def run_vllm(s: Session, folder: Path, streams: list[str]) -> None:
         return
     # a script by path, as before vLLM's env: it imports vLLM only, and env.sh prepends vLLM's site to PYTHONPATH
     replay = ["python", "tools/vs_vllm/replay.py", s.model, "--budget-gib", s.budget.removesuffix("GiB"),
-              "--out-dir", str(folder), *(arg for stream in streams for arg in ("--stream", stream))]  # fmt: skip
+              "--tensor-parallel-size", s.knob("VS_TP", "1"), "--out-dir", str(folder),
+              *(arg for stream in streams for arg in ("--stream", stream))]  # fmt: skip
     s.run(["bash", "-c", f'source {VSITE_ENV} && exec "$@"', "_", *replay], log=folder / "vllm.log")
     s.do("print vLLM's throughput lines", lambda: _print_vllm(s, folder))
     s.do(f"cp {folder}/vllm-*.json {LAST}/ (VS_VLLM_RECORDS for a later call)", lambda: _keep_last(folder))
@@ -103,8 +104,8 @@ def _keep_last(folder: Path) -> None:
 
 
 def run_rimuru(s: Session, folder: Path, runs: list[str]) -> None:
-    common = f"--gpu-memory-budget {s.budget} --max-num-batched-tokens 2048 --quiet {' '.join(s.dummy)} " + s.knob(
-        "BENCH_FLAGS")
+    common = (f"--gpu-memory-budget {s.budget} --max-num-batched-tokens 2048 --quiet {' '.join(s.dummy)} "
+              f"--tensor-parallel-size {s.knob('VS_TP', '1')} {s.knob('BENCH_FLAGS')}")  # fmt: skip
     s.run(s.tool("tools.engine.sweep", s.model, "--out-dir", folder, "--ranking", f"{s.model}/expert_ranking-vs.json",
                  "--common", common, *runs))  # fmt: skip
 
