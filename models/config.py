@@ -120,13 +120,11 @@ class ModelConfig:
         ValueError naming the first field that `size` does not divide."""
         if size == 1:
             return self
-        if self.linear_layer_ids:
-            raise ValueError(f"tensor_parallel_size {size}: {self.architecture!r} has linear-attention layers, whose "
-                             "heads are not split yet")  # fmt: skip
         fields_split = {"num_attention_heads": self.num_attention_heads, "num_key_value_heads": self.num_key_value_heads,
                         "moe_intermediate_size": self.moe_intermediate_size,
                         "shared_expert_intermediate_size": self.shared_expert_intermediate_size,
-                        "intermediate_size": self.intermediate_size}  # fmt: skip
+                        "intermediate_size": self.intermediate_size, "linear_num_key_heads": self.linear_num_key_heads,
+                        "linear_num_value_heads": self.linear_num_value_heads}  # fmt: skip
         for name, value in (fields_split | {"vocab_size": self.vocab_size}).items():
             if value % size:
                 raise ValueError(f"tensor_parallel_size {size} does not divide {name} ({value})")

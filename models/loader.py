@@ -112,6 +112,9 @@ def _read_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, fold
         config.moe_layer_ids, config.num_experts, config.moe_intermediate_size, config.hidden_size, dtype
     )
     read, unexpected, not_text = set(), [], 0
+    size = parallel.shard().size  # a linear layer's whole key and value widths, whose heads the ranks split
+    linear_widths = (config.linear_num_key_heads * config.linear_key_head_dim * size,
+                     config.linear_num_value_heads * config.linear_value_head_dim * size)  # fmt: skip
     files = safetensors_files(folder)
     with tqdm(total=len(files), desc="Loading shards", unit="shard", disable=not progress) as bar:
         for file in files:
@@ -125,7 +128,8 @@ def _read_checkpoint(weights: dict[str, torch.Tensor], config: ModelConfig, fold
                     if parsed is not None:
                         accepted = collector.put(name, parsed, f.get_tensor(key))
                     elif name in weights:
-                        tensor = parallel.rank_slice(f.get_tensor(key), parallel.slice_dim(name))
+                        blocks = parallel.qkv_blocks(name, *linear_widths)
+                        tensor = parallel.rank_slice(f.get_tensor(key), parallel.slice_dim(name), blocks)
                         shape, wanted = [*tensor.shape], [*weights[name].shape]
                         if (accepted := shape == wanted):
                             weights[name].copy_(tensor)

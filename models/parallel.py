@@ -27,8 +27,12 @@ _shard = Shard()
 
 # checkpoint keys split by rows (column-parallel: each rank computes its outputs) or by columns (row-parallel: each
 # rank reads its inputs); every other key is whole on every rank
-_ROWS = re.compile(r".*\.(self_attn\.(q|k|v)_proj|mlp\.(shared_expert\.)?(gate|up)_proj)\.(weight|bias)")
-_COLUMNS = re.compile(r".*\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj)\.weight")
+_ROWS = re.compile(r".*\.(self_attn\.(q|k|v)_proj|mlp\.(shared_expert\.)?(gate|up)_proj"
+                   r"|linear_attn\.(in_proj_qkvz|in_proj_ba|in_proj_z|in_proj_b|in_proj_a))\.(weight|bias)"
+                   r"|.*\.linear_attn\.(A_log|dt_bias)")  # fmt: skip
+_COLUMNS = re.compile(r".*\.(self_attn\.o_proj|mlp\.(shared_expert\.)?down_proj|linear_attn\.out_proj)\.weight")
+# q, k and v of every linear-attention head side by side: each rank takes its heads of each of the three
+_QKV_BLOCKS = re.compile(r".*\.linear_attn\.(in_proj_qkv|conv1d)\.weight")
 _VOCABULARY = re.compile(r"(model\.embed_tokens|lm_head)\.weight")
 
 
@@ -62,17 +66,23 @@ def all_gather_last(x: torch.Tensor) -> torch.Tensor:
 
 def slice_dim(key: str) -> int | None:
     """The dimension of checkpoint tensor `key` that ranks split (0 rows, 1 columns), None when it is whole."""
-    if _ROWS.fullmatch(key) or _VOCABULARY.fullmatch(key):
+    if _ROWS.fullmatch(key) or _VOCABULARY.fullmatch(key) or _QKV_BLOCKS.fullmatch(key):
         return 0
     if _COLUMNS.fullmatch(key):
         return 1
     return None
 
 
-def rank_slice(tensor: torch.Tensor, dim: int | None, parts: int = 1) -> torch.Tensor:
-    """This rank's part of a checkpoint tensor split along `dim`: of each of its `parts` equal blocks (a stacked
-    [gate; up] or [q; k; v] split block by block), the rank-th 1/size."""
+def qkv_blocks(key: str, key_dim: int, value_dim: int) -> list[int] | int:
+    """The blocks `rank_slice` splits checkpoint tensor `key` by: a linear layer's [q; k; v] rows (the full key and
+    value widths), else one block."""
+    return [key_dim, key_dim, value_dim] if _QKV_BLOCKS.fullmatch(key) else 1
+
+
+def rank_slice(tensor: torch.Tensor, dim: int | None, parts: int | list[int] = 1) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor split along `dim`: of each of its blocks (`parts` equal ones, or of
+    the sizes listed: a stacked [gate; up] or [q; k; v] split block by block), the rank-th 1/size."""
     if dim is None or _shard.size == 1:
         return tensor
-    blocks = tensor.chunk(parts, dim)
+    blocks = tensor.chunk(parts, dim) if isinstance(parts, int) else tensor.split(parts, dim)
     return torch.cat([b.chunk(_shard.size, dim)[_shard.rank] for b in blocks], dim)

@@ -12,9 +12,10 @@ import torch
 from torch import nn
 
 from rimuru import ops
+from rimuru.models import parallel
 from rimuru.models.config import LINEAR_ATTENTION, ModelConfig
 from rimuru.models.context import ForwardContext
-from rimuru.models.layers import MLP, RotaryEmbedding
+from rimuru.models.layers import MLP, RotaryEmbedding, VocabParallelEmbedding
 from rimuru.models.pieces import Pieces
 from rimuru.models.qwen_moe import QwenMoeForCausalLM, SparseMoeBlock
 
@@ -82,7 +83,8 @@ class GatedAttention(nn.Module):
         ops.write_kv(k.contiguous(), v, ctx.kv_view, ctx.slot_mappings[i])
         out = ops.paged_attention(q.contiguous(), ctx.kv_view, ctx.kv_page_tables[i], ctx.seq_lens,
                                   ctx.query_start_loc, self.scale)  # fmt: skip
-        return self.o_proj(out.flatten(1) * torch.sigmoid(gate.reshape(num_tokens, -1)))  # [T, D]
+        # [T, D]: each rank's heads give a partial sum
+        return parallel.all_reduce(self.o_proj(out.flatten(1) * torch.sigmoid(gate.reshape(num_tokens, -1))))
 
 
 class GatedDeltaNet(nn.Module):
@@ -127,7 +129,7 @@ class GatedDeltaNet(nn.Module):
         beta = b.sigmoid()
         g = -self.A_log.float().exp() * nn.functional.softplus(a.float() + self.dt_bias)  # [T, Hv] log decay
         out = self._delta_rule(q, k, v, g, beta, ctx)  # [T, Hv, Dv]
-        return self.out_proj(self.norm(out, z).reshape(t, -1))
+        return parallel.all_reduce(self.out_proj(self.norm(out, z).reshape(t, -1)))  # each rank's heads: a partial sum
 
     def _all_decodes(self, ctx: ForwardContext, num_tokens: int) -> bool:
         if ctx.decode_only is not None:
@@ -193,7 +195,7 @@ class HybridModel(nn.Module):
     def __init__(self, config: ModelConfig):
         super().__init__()
         linear = config.linear_layer_ids
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         self.layers = nn.ModuleList(
             HybridDecoderLayer(config, i, linear.index(i) if config.layer_types[i] == LINEAR_ATTENTION else None)
             for i in range(config.num_hidden_layers)

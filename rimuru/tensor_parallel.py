@@ -36,15 +36,18 @@ class StepMessage:
     copies: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (layer, expert, its three page ids)
     input_ids: torch.Tensor | None = None  # [T]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the ForwardContext's tensors
+    decode_only: bool | None = None  # a hybrid's `ForwardContext.decode_only`
     stop: bool = False
 
 
 CONTEXT_TENSORS = ("positions", "query_start_loc", "seq_lens", "kv_page_tables", "slot_mappings",
-                   "expert_page_tables", "logits_indices")  # fmt: skip
+                   "expert_page_tables", "logits_indices", "ssm_state_ids", "conv_state_ids",
+                   "state_continues")  # fmt: skip  (the last three a hybrid's only)
 
 
 def message_for(copies, input_ids: torch.Tensor, ctx: ForwardContext) -> StepMessage:
-    return StepMessage(list(copies), input_ids.cpu(), {name: getattr(ctx, name).cpu() for name in CONTEXT_TENSORS})
+    tensors = {name: getattr(ctx, name).cpu() for name in CONTEXT_TENSORS if getattr(ctx, name) is not None}
+    return StepMessage(list(copies), input_ids.cpu(), tensors, ctx.decode_only)
 
 
 def broadcast(message: StepMessage | None) -> StepMessage:
@@ -94,6 +97,8 @@ class Worker:
         sizes = page_sizes_for_model(loaded.config, config.dtype, config.page_tokens)
         self.pool = MemoryPool(sizes, pool_bytes, device)
         self.kv_view, self.expert_view = self.pool.kv_view(), self.pool.expert_view()
+        linear = bool(loaded.config.linear_layer_ids)  # a hybrid's state pages: (SSM view, conv view)
+        self.state_views = {"ssm_view": self.pool.ssm_view(), "conv_view": self.pool.conv_view()} if linear else {}
         self.host_experts = {layer: (w.gate, w.up, w.down) for layer, w in self.experts.items()}
         self.device = device
 
@@ -112,7 +117,8 @@ class Worker:
     def forward(self, message: StepMessage) -> None:
         tensors = {name: t.to(self.device) for name, t in message.tensors.items()}
         ctx = ForwardContext(**tensors, kv_view=self.kv_view, expert_view=self.expert_view,
-                             host_experts=self.host_experts)  # fmt: skip
+                             host_experts=self.host_experts, decode_only=message.decode_only,
+                             **(self.state_views if "ssm_state_ids" in tensors else {}))  # fmt: skip
         self.model(message.input_ids.to(self.device), ctx)  # its all-reduces meet rank 0's; the logits go unused
 
 

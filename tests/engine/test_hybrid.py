@@ -34,6 +34,7 @@ def hybrid_budget(folder: str, kv_tokens: int, num_states: int, offload: int, **
     kv_pages = -(-kv_tokens // sizes.page_tokens) * len(config.attention_layer_ids)
     pages = (engine.experts.num_expert_pages + 2 * offload * 3 + -(-kv_pages // sizes.kv_pages_per_expert_page)
              + num_states * engine.states.expert_pages_per_request())  # fmt: skip
+    engine.close()  # and a tensor parallel engine's other ranks
     return plan.weights_bytes + plan.activation_bytes + pages * sizes.expert_page_bytes
 
 

@@ -7,10 +7,13 @@ import signal
 import time
 
 import pytest
+import transformers
 
 from rimuru import LLM
-from tests.engine.conftest import expect_no_growth
+from rimuru.models import fabricate
+from tests.engine.conftest import MAX_TOKENS, expect_no_growth, hf_greedy, make_prompts
 from tests.engine.test_experts import GREEDY, budget_for
+from tests.engine.test_hybrid import hybrid_budget
 
 TP = dict(tensor_parallel_size=2)
 
@@ -75,3 +78,17 @@ def test_a_rank_that_hangs_fails_the_next_step_within_the_timeout(family, monkey
     finally:
         os.kill(worker.pid, signal.SIGKILL)
         llm.engine.close()
+
+
+def test_two_ranks_serve_a_hybrid_model_with_its_state_split_by_head(tmp_path, monkeypatch):
+    """Qwen3-Next on two ranks: each holds its linear-attention heads' state pages; Hugging Face's tokens with all
+    experts resident and through preemption (the state rebuilt on every rank)."""
+    folder = fabricate(tmp_path / "qwen3_next", arch="qwen3_next")
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)
+    expected = hf_greedy(folder, prompts, MAX_TOKENS)
+    _, tokens = generate(folder, prompts, expert_policy="resident")
+    assert tokens == expected
+    expect_no_growth(monkeypatch)
+    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0, **TP),
+                                expert_policy="resident")  # fmt: skip
+    assert tokens == expected and squeezed["preemptions"] > 0

@@ -29,14 +29,19 @@ def _rank(rank: int, checkpoint: str, rendezvous: str, out: str) -> None:
         dist.destroy_process_group()
 
 
-@pytest.mark.parametrize("arch,layout", [("qwen2_moe", "per_expert"), ("qwen3_moe", "fused")])
+@pytest.mark.parametrize("arch,layout", [("qwen2_moe", "per_expert"), ("qwen3_moe", "fused"), ("qwen3_next", "fused"),
+                                         ("qwen3_5_moe", "per_expert")])  # fmt: skip
 def test_two_ranks_give_hugging_faces_logits(tmp_path, arch, layout):
+    """The hybrids split their linear-attention heads too (Qwen3.5's composite checkpoint against transformers'
+    text model on the same weights)."""
     dense = (1,) if arch == "qwen2_moe" else ()  # a dense MLP layer among the MoE ones
     checkpoint = fabricate(tmp_path / arch, arch=arch, expert_layout=layout, mlp_only_layers=dense)
+    reference = checkpoint if arch != "qwen3_5_moe" else fabricate(tmp_path / "text", arch="qwen3_5_moe_text",
+                                                                   expert_layout=layout)  # fmt: skip
     out = str(tmp_path / "logits")
     mp.spawn(_rank, args=(checkpoint, str(tmp_path / "rendezvous"), out), nprocs=SIZE, join=True)
     steps = [torch.load(f"{out}.{rank}") for rank in range(SIZE)]
-    hf_model, seqs = load_hf_reference(checkpoint), [list(p) for p in PROMPTS]
+    hf_model, seqs = load_hf_reference(reference), [list(p) for p in PROMPTS]
     for step, logits in enumerate(steps[0]):
         torch.testing.assert_close(steps[1][step], logits, rtol=0, atol=0)  # every rank holds the summed result
         expected = torch.stack([hf_logits(hf_model, s)[-1] for s in seqs])
