@@ -68,6 +68,14 @@ class Engine:
         self.config = config = replace(config, page_tokens=page_tokens)
         self.device = torch.device(config.device)
         self.workers = self._start_tensor_parallel(config)  # ranks 1.. of tensor_parallel_size; this process is 0
+        try:
+            self._build(config, folder, model_config, requested_max_model_len)
+        except BaseException:
+            self._stop_tensor_parallel()  # an engine that does not start leaves no rank behind
+            raise
+
+    def _build(self, config: EngineConfig, folder: str, model_config: ModelConfig,
+               requested_max_model_len: int | None) -> None:  # fmt: skip
         check_host_memory(model_config, config.dtype)
         use_expandable_segments(self.device)  # before the weights: every segment the engine makes is expandable
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
@@ -77,7 +85,7 @@ class Engine:
         wants_graphs = graphs_wanted(config.cuda_graphs, self.device) and not self.workers
         self._build_pool(wants_graphs)
         if self.workers:  # every rank's pool is rank 0's size: the same page ids everywhere
-            broadcast(StepMessage(tensors={"pool_bytes": torch.tensor(self.pool.num_bytes)}))
+            self._broadcast(StepMessage(tensors={"pool_bytes": torch.tensor(self.pool.num_bytes)}))
         scratch_page = reserve_scratch_page(self.allocator) if wants_graphs else None
         self._place_experts(folder)
         device_tables = self.device if wants_graphs else None  # a device copy of the page tables: graphs gather there
@@ -126,13 +134,17 @@ class Engine:
 
     def _send_pass(self, input_ids: torch.Tensor, ctx) -> None:
         """Every rank's pass: the expert copies since the last one, then this pass's inputs and page tables."""
+        self._broadcast(message_for(self.experts.copy_log, input_ids, ctx))
+        self.experts.copy_log.clear()
+
+    def _broadcast(self, message: StepMessage) -> None:
+        """`message` to every rank; a rank that died or hangs fails it in one line naming the ranks gone."""
         try:
-            broadcast(message_for(self.experts.copy_log, input_ids, ctx))
+            broadcast(message)
         except (RuntimeError, dist.DistBackendError) as error:
             stopped = [f"rank {i} (exit code {w.exitcode})" for i, w in enumerate(self.workers, 1) if not w.is_alive()]
             raise RuntimeError(f"tensor parallel: {', '.join(stopped) or 'a rank'} stopped answering ({error}); "
                                "restart the engine") from error  # fmt: skip
-        self.experts.copy_log.clear()
 
     def _log_start_up(self) -> None:
         """One line a user can read: where the weights are, the KV tokens and what they hold, the budget used."""

@@ -93,7 +93,11 @@ class Worker:
         loaded = from_pretrained(config.model, device, config.dtype, config.load_format, config.router_skew, False,
                                  config.seed, config.router_regimes)  # fmt: skip
         self.model, self.experts = loaded.model, loaded.experts
-        pool_bytes = broadcast(None).tensors["pool_bytes"].item()
+        first = broadcast(None)  # the pool's size, or a stop: rank 0 could not start
+        self.stopped = first.stop
+        if self.stopped:
+            return
+        pool_bytes = first.tensors["pool_bytes"].item()
         sizes = page_sizes_for_model(loaded.config, config.dtype, config.page_tokens)
         self.pool = MemoryPool(sizes, pool_bytes, device)
         self.kv_view, self.expert_view = self.pool.kv_view(), self.pool.expert_view()
@@ -103,7 +107,7 @@ class Worker:
         self.device = device
 
     def serve(self) -> None:
-        while not (message := broadcast(None)).stop:
+        while not self.stopped and not (message := broadcast(None)).stop:
             self.copy(message.copies)
             if message.input_ids is not None:
                 self.forward(message)

@@ -61,6 +61,9 @@ def test_what_tensor_parallelism_cannot_do_yet_is_refused_in_one_line(family):
         LLM(folder, progress=False, expert_reads="copy", **TP)
     with pytest.raises(ValueError, match="^tensor_parallel_size 2 runs steps eagerly"):
         LLM(folder, progress=False, cuda_graphs=True, **TP)
+    with pytest.raises(ValueError, match="^gpu_memory_budget"):  # refused after the other ranks started
+        LLM(folder, progress=False, gpu_memory_budget="64KiB", **TP)
+    LLM(folder, progress=False, **TP).close()  # which left no rank and no process group behind
 
 
 def test_a_rank_that_hangs_fails_the_next_step_within_the_timeout(family, monkeypatch):
