@@ -102,7 +102,8 @@ class Engine:
         self._log_start_up()
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        swapping = config.preemption == "swap" and not self.workers  # other ranks' KV pages would not come back
+        # by recompute: a hybrid's state is not a copy of its tokens, and other ranks' KV pages would not come back
+        swapping = config.preemption == "swap" and not linear_layers and not self.workers
         swap = KVSwap(self.kv_cache, self.pool.kv_view(), self.pool.num_bytes) if swapping else None
         self.states = LinearStateCache(self.allocator, linear_layers) if linear_layers else None
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages, swap, self.states)

@@ -59,7 +59,7 @@ class Scheduler:
                  swap: KVSwap | None = None, states: LinearStateCache | None = None):  # fmt: skip
         self.config = config
         self.kv_cache = kv_cache
-        self.swap = swap if states is None else None  # None: a preempted request recomputes its prompt
+        self.swap = swap  # None: a preempted request recomputes its prompt
         self.states = states  # a hybrid model's linear-attention state pages; None: the model has none
         self.reclaimable_expert_pages = reclaimable_expert_pages
         self._unmet_pages = 0  # KV pages asked for this round and not granted
