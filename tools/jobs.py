@@ -8,13 +8,14 @@ import shlex
 from pathlib import Path
 
 from tools.session import Session, first_line, grep_after, head, tail
-from tools.sweeps import ranking_path, skew_flags
+from tools.sweeps import ranking_path, skew_flags, with_fla
 
 PYTEST = ["python", "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", "--import-mode=append"]
 
 
 def gputests(s: Session) -> None:
-    """Every @pytest.mark.gpu test; GPUTESTS narrows it."""
+    """Every @pytest.mark.gpu test; GPUTESTS narrows it. flash-linear-attention from .bench/fla where carried."""
+    s = with_fla(s)
     # -P and --import-mode=append: the repository's own `rimuru/` folder must not shadow the package in /tmp/pkg
     log = s.out / "gputests.log"
     s.run([*PYTEST, "--durations=15", "-m", "gpu", *s.knob("GPUTESTS", "tests/ops tests/models tests/engine").split()],
