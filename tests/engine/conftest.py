@@ -2,6 +2,7 @@
 
 import gc
 import random
+import sys
 
 import pytest
 import torch
@@ -24,6 +25,7 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
 def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
     """Hugging Face transformers' greedy `generate`, fp32 on CPU, one prompt at a time, EOS ignored."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
+    use_torch_kernels(model)
     model.generation_config.eos_token_id = None  # else generate takes the checkpoint's EOS back and stops there
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
     outputs = []
@@ -32,6 +34,15 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[li
             tokens = model.generate(torch.tensor([prompt]), generation_config=config, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
             outputs.append(tokens[0, len(prompt) :].tolist())
     return outputs
+
+
+def use_torch_kernels(model: torch.nn.Module) -> None:
+    """The model's module calls transformers' torch functions, not their flash-linear-attention stand-ins: where
+    that is installed, transformers before 5.25 hands it CPU tensors its GPU kernels cannot read."""
+    module = sys.modules[type(model).__module__]
+    for name, value in list(vars(module).items()):
+        if name.startswith("torch_") and callable(value) and hasattr(value, "__wrapped__"):
+            setattr(module, name, value.__wrapped__)
 
 
 @pytest.fixture(scope="session", params=["qwen2_moe", "qwen3_moe"])

@@ -274,22 +274,24 @@ def test_decode_attention_variants_bf16(flags, tile):
 @pytest.mark.parametrize("num_requests", [1, 64])
 def test_linear_attention_decode_kernels_update_the_pages_in_place(num_requests):
     """Qwen3.5-35B's linear-attention geometry (16 key heads, 32 value heads of 128, conv of 8,192 channels), bf16
-    inputs and fp32 states at scattered pages, one padding row: the Triton decode kernels against the references."""
+    inputs and fp32 states at scattered pages, and one padding row after the requests: the Triton decode kernels
+    against the references."""
     gen = torch.Generator("cuda").manual_seed(num_requests)
-    q, k = (torch.randn(2, num_requests, 16, 128, device="cuda", generator=gen)).bfloat16().unbind(0)
-    v = torch.randn(num_requests, 32, 128, device="cuda", generator=gen).bfloat16()
-    g = -torch.rand(num_requests, 32, device="cuda", generator=gen)
-    beta = torch.rand(num_requests, 32, device="cuda", generator=gen).bfloat16()
-    pages = torch.randn(2 * num_requests + 1, 32, 128, 128, device="cuda", generator=gen)
-    ids = torch.randperm(2 * num_requests + 1, device="cuda", generator=gen)[:num_requests]
+    rows = num_requests + 1
+    q, k = (torch.randn(2, rows, 16, 128, device="cuda", generator=gen)).bfloat16().unbind(0)
+    v = torch.randn(rows, 32, 128, device="cuda", generator=gen).bfloat16()
+    g = -torch.rand(rows, 32, device="cuda", generator=gen)
+    beta = torch.rand(rows, 32, device="cuda", generator=gen).bfloat16()
+    pages = torch.randn(2 * rows + 1, 32, 128, 128, device="cuda", generator=gen)
+    ids = torch.randperm(2 * rows + 1, device="cuda", generator=gen)[:rows]
     ids[-1] = -1
     ref_pages = pages.clone()
     ref = reference.gated_delta_step(q, k, v, g, beta, ref_pages, ids)
     tri = ops.gated_delta_step(q, k, v, g, beta, pages, ids)
     assert rel_err(tri, ref) < 1e-2 and rel_err(pages, ref_pages) < 1e-5
-    x = torch.randn(num_requests, 8192, device="cuda", generator=gen).bfloat16()
+    x = torch.randn(rows, 8192, device="cuda", generator=gen).bfloat16()
     weight = torch.randn(8192, 4, device="cuda", generator=gen).bfloat16()
-    conv = torch.randn(2 * num_requests + 1, 8192, 3, device="cuda", generator=gen).bfloat16()
+    conv = torch.randn(2 * rows + 1, 8192, 3, device="cuda", generator=gen).bfloat16()
     ref_conv = conv.clone()
     ref = reference.causal_conv1d_step(x, ref_conv, ids, weight, None)
     tri = ops.causal_conv1d_step(x, conv, ids, weight, None)
