@@ -159,17 +159,17 @@ def with_fla(s: Session) -> Session:
 
 
 def hybrid35(s: Session) -> int:
-    """Qwen3.5-35B-A3B (.bench/qwen3.5-35b-a3b): at BUDGET (48 GiB, where its weights do not fit) no policy flags
-    beside FIXED (fixed64 fixed128 fixed192 of its 256 experts a layer), then at 80 GiB resident beside the default;
-    a process each, TIME_LIMIT_S (120) a run."""
+    """Qwen3.5-35B-A3B (.bench/qwen3.5-35b-a3b): at BUDGET (48 GiB, where its weights do not fit) LOW_POLICIES (no
+    policy flags beside fixed64 fixed128 fixed192 of its 256 experts a layer), then at 80 GiB HIGH_POLICIES
+    (resident beside the default); "-" runs none. A process each, TIME_LIMIT_S (120) a run."""
     s = with_fla(s)
     flags = f"--time-limit-s {s.knob('TIME_LIMIT_S', '120')} {s.knob('BENCH_FLAGS')}"
-    runs = [(s.knob("BUDGET", "48GiB"), ["default", *s.knob("FIXED", "fixed64 fixed128 fixed192").split()]),
-            ("80GiB", ["resident", "default"])]  # fmt: skip
+    runs = [(s.knob("BUDGET", "48GiB"), s.knob("LOW_POLICIES", "default fixed64 fixed128 fixed192")),
+            ("80GiB", s.knob("HIGH_POLICIES", "resident default"))]  # fmt: skip
     failed = 0
     for budget, names in runs:
         q = s.with_knobs(MODEL=s.knob("MODEL", ".bench/qwen3.5-35b-a3b"), BUDGET=budget, BENCH_FLAGS=flags)
-        for policy in names:
+        for policy in names.replace("-", "").split():
             name = f"qwen3.5-{budget.removesuffix('GiB')}g-{policy}-r{q.rate}"
             failed |= policies(q, name, q.stream, ranking_path(q), skew_flags(q), [policy])
     return failed

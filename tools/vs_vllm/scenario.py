@@ -5,7 +5,8 @@ vLLM's parts must be in /tmp/parts (see ../shared/peers/vllm/README.md: one call
 .peers/vllm/vllm.part-0N); carry .peers/vllm/bin and .bench. Knobs: VS_STREAMS (default the 400 at 10/s and 200 at
 once streams), VS_POLICIES ("resident default"), ORDER=rimuru-first to run Rimuru first, CALL names the call in
 vs-vllm.json (default the commit). VS_VLLM_RECORDS=DIR takes vLLM's records of an earlier call from DIR (carried)
-instead of running it again (/tmp/vllm-last holds the last call's while the machine stays warm). Records, logs and
+instead of running it again (/tmp/vllm-last holds the last call's while the machine stays warm); VS_VLLM=off runs
+Rimuru alone (its rows against an earlier call's vLLM, by hand). Records, logs and
 the merged table in $OUT. VS_TP=N splits both engines over N GPUs (tensor parallelism; BUDGET is per GPU). VS_SKEW=S first writes MODEL's random weights at router skew S as a checkpoint
 (tools/vs_vllm/checkpoint.py, under /tmp/vs-checkpoints/<model>-skew<S>) and both engines load it: the same weights,
 routing that leaves cold experts cold, which vLLM's own dummy weights never do.
@@ -39,15 +40,16 @@ def vsvllm(s: Session) -> int:
         s.say(str(error))
         return 1
     s.do(f"mkdir -p {folder}", lambda: folder.mkdir(parents=True, exist_ok=True))
-    if not s.knob("VS_VLLM_RECORDS") and not VSITE_ENV.is_file():
+    with_vllm = s.knob("VS_VLLM", "on") != "off"
+    if with_vllm and not s.knob("VS_VLLM_RECORDS") and not VSITE_ENV.is_file():
         install = folder / "vllm-install.log"
         if s.run(["bash", ".peers/vllm/install.sh", ".peers/vllm/bin"], log=install) != 0:
             s.show_file(install, lambda text: "\n".join(text.splitlines()[-5:]))
             return 1
-    steps = [lambda: run_vllm(s, folder, streams), lambda: run_rimuru(s, folder, runs)]
+    steps = [lambda: run_vllm(s, folder, streams), lambda: run_rimuru(s, folder, runs)][0 if with_vllm else 1 :]
     for step in steps[::-1] if s.knob("ORDER", "vllm-first") == "rimuru-first" else steps:
         step()
-    merge(s, folder, streams, names)
+    merge(s, folder, streams, names, with_vllm)
     return 0
 
 
@@ -110,12 +112,12 @@ def run_rimuru(s: Session, folder: Path, runs: list[str]) -> None:
                  "--common", common, *runs))  # fmt: skip
 
 
-def merge(s: Session, folder: Path, streams: list[str], names: list[str]) -> None:
+def merge(s: Session, folder: Path, streams: list[str], names: list[str], with_vllm: bool = True) -> None:
     """The records into $OUT/vs-vllm.json (docs/benchmarks/vs-vllm.json's runs and this call's) and its table, the
     engines' start-up lines counted, and the folder packed as $OUT/vs-records.tar.gz."""
     specs = []
     for stream in streams:
-        specs.append(f"vllm={folder}/vllm-{stem(stream)}.json")
+        specs += [f"vllm={folder}/vllm-{stem(stream)}.json"] if with_vllm else []
         specs += [f"{name}={folder}/{name}-{stem(stream)}.json" for name in names]
     s.run(["cp", "docs/benchmarks/vs-vllm.json", s.out / "vs-vllm.json"], stderr="drop")
     commit = s.knob("RIMURU_COMMIT", "unknown")
