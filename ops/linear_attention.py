@@ -93,7 +93,7 @@ def _l2_normalised(x):
 
 
 @triton.jit
-def _gated_delta_step_kernel(p_q, p_k, p_v, p_g, p_beta, p_ssm, p_ids, p_out, num_v_heads, group, stride_qb,
+def _gated_delta_step_kernel(p_q, p_k, p_v, p_g, p_beta, p_ssm, p_ids, p_out, num_v_heads, group, stride_page, stride_qb,
                              stride_qh, stride_kb, stride_kh, stride_vb, stride_vh, stride_gb, stride_betab,
                              stride_ob, stride_oh, scale, HEAD_K: tl.constexpr, HEAD_V: tl.constexpr, BLOCK_V: tl.constexpr,
                              BLOCK_K: tl.constexpr):  # fmt: skip
@@ -115,7 +115,7 @@ def _gated_delta_step_kernel(p_q, p_k, p_v, p_g, p_beta, p_ssm, p_ids, p_out, nu
     v = tl.load(p_v + i_b * stride_vb + i_h * stride_vh + o_v, mask=m_v, other=0.0).to(tl.float32)
     decay = tl.exp(tl.load(p_g + i_b * stride_gb + i_h).to(tl.float32))
     beta = tl.load(p_beta + i_b * stride_betab + i_h).to(tl.float32)
-    p_s = p_ssm + (state_id * num_v_heads + i_h) * HEAD_K * HEAD_V + o_k[:, None] * HEAD_V + o_v[None, :]
+    p_s = p_ssm + state_id * stride_page + i_h * HEAD_K * HEAD_V + o_k[:, None] * HEAD_V + o_v[None, :]
     m_s = m_k[:, None] & m_v[None, :]
     state = tl.load(p_s, mask=m_s, other=0.0).to(tl.float32) * decay  # [Dk, BV]
     delta = (v - tl.sum(state * k[:, None], 0)) * beta  # [BV]
@@ -125,7 +125,8 @@ def _gated_delta_step_kernel(p_q, p_k, p_v, p_g, p_beta, p_ssm, p_ids, p_out, nu
 
 
 @triton.jit
-def _causal_conv1d_step_kernel(p_x, p_conv, p_ids, p_weight, p_bias, p_out, num_channels, stride_xb, stride_ob,
+def _causal_conv1d_step_kernel(p_x, p_conv, p_ids, p_weight, p_bias, p_out, num_channels, stride_page, stride_xb,
+                               stride_ob,
                                WIDTH: tl.constexpr, BLOCK_W: tl.constexpr, BLOCK_C: tl.constexpr,
                                HAS_BIAS: tl.constexpr):  # fmt: skip
     """BLOCK_C channels of one request: the window of its W - 1 kept inputs and the new one, SiLU of the conv, and
@@ -140,7 +141,7 @@ def _causal_conv1d_step_kernel(p_x, p_conv, p_ids, p_weight, p_bias, p_out, num_
         return
     dtype = p_x.dtype.element_ty
     x = tl.load(p_x + i_b * stride_xb + o_c, mask=m_c, other=0.0)  # [BC]
-    p_h = p_conv + (state_id * num_channels + o_c[:, None]) * (WIDTH - 1) + o_w[None, :]
+    p_h = p_conv + state_id * stride_page + o_c[:, None] * (WIDTH - 1) + o_w[None, :]
     m_h = m_c[:, None] & (o_w[None, :] < WIDTH - 1)
     history = tl.load(p_h, mask=m_h, other=0.0).to(dtype)  # [BC, BW]: positions 0 .. W - 2 kept
     window = tl.where(o_w[None, :] == WIDTH - 1, x[:, None], history).to(tl.float32)  # the new input at W - 1
@@ -160,15 +161,16 @@ def _causal_conv1d_step_kernel(p_x, p_conv, p_ids, p_weight, p_bias, p_out, num_
 def gated_delta_step_triton(q, k, v, g, beta, ssm_view, state_ids, block_v: int = 32):
     num_requests, num_v_heads, head_v = v.shape
     head_k = k.shape[-1]
-    assert ssm_view.is_contiguous() and ssm_view.shape[1:] == (num_v_heads, head_k, head_v)
+    # pages may sit further apart than a state (padded to divide the expert page); within a page, contiguous
+    assert ssm_view.shape[1:] == (num_v_heads, head_k, head_v) and ssm_view.stride()[1:] == (head_k * head_v, head_v, 1)
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and g.stride(-1) == beta.stride(-1) == 1
     out = torch.empty(v.shape, dtype=v.dtype, device=v.device)
     if num_requests:
         grid = (num_requests, num_v_heads, triton.cdiv(head_v, block_v))
         _gated_delta_step_kernel[grid](q, k, v, g, beta, ssm_view, state_ids, out, num_v_heads,
-                                       num_v_heads // k.shape[1], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-                                       v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0),
-                                       out.stride(1), head_k**-0.5, HEAD_K=head_k, HEAD_V=head_v, BLOCK_V=block_v,
+                                       num_v_heads // k.shape[1], ssm_view.stride(0), q.stride(0), q.stride(1),
+                                       k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0),
+                                       out.stride(0), out.stride(1), head_k**-0.5, HEAD_K=head_k, HEAD_V=head_v, BLOCK_V=block_v,
                                        BLOCK_K=triton.next_power_of_2(head_k))  # fmt: skip
     return out
 
@@ -176,13 +178,13 @@ def gated_delta_step_triton(q, k, v, g, beta, ssm_view, state_ids, block_v: int 
 def causal_conv1d_step_triton(x, conv_view, state_ids, weight, bias, block_c: int = 128):
     num_requests, num_channels = x.shape
     width = weight.shape[1]
-    assert conv_view.is_contiguous() and conv_view.shape[1:] == (num_channels, width - 1) and width >= 2
+    assert conv_view.shape[1:] == (num_channels, width - 1) and conv_view.stride()[1:] == (width - 1, 1) and width >= 2
     assert x.stride(1) == 1 and weight.is_contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if num_requests:
         grid = (num_requests, triton.cdiv(num_channels, block_c))
         _causal_conv1d_step_kernel[grid](x, conv_view, state_ids, weight, bias if bias is not None else weight, out,
-                                         num_channels, x.stride(0), out.stride(0), WIDTH=width,
+                                         num_channels, conv_view.stride(0), x.stride(0), out.stride(0), WIDTH=width,
                                          BLOCK_W=triton.next_power_of_2(width), BLOCK_C=block_c,
                                          HAS_BIAS=bias is not None)  # fmt: skip
     return out

@@ -6,6 +6,7 @@ By hand: `TRITON_INTERPRET=1 python -m pytest tests/ops/interp_kernels.py`.
 """
 
 import importlib
+import math
 import os
 
 import pytest
@@ -412,23 +413,33 @@ def test_topk_sum(num_tokens, top_k, hidden_size, block_d):
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
 
 
+def pool_pages(num_pages: int, page_shape: tuple[int, ...], padding: int, gen) -> tuple[torch.Tensor, torch.Tensor]:
+    """(pages [P, *page_shape] as the pool views them: `padding` NaN elements after each page, the rows under them)."""
+    rows = torch.full((num_pages, math.prod(page_shape) + padding), float("nan"))
+    pages = rows[:, : math.prod(page_shape)].view(num_pages, *page_shape)
+    pages.copy_(torch.randn(pages.shape, generator=gen))
+    return pages, rows
+
+
 @pytest.mark.parametrize("num_requests,hk,hv,dk,dv,block_v", [(3, 2, 4, 8, 12, 8), (5, 1, 2, 16, 16, 32),
                                                                (2, 4, 4, 32, 20, 16)])  # fmt: skip
 def test_gated_delta_step(num_requests, hk, hv, dk, dv, block_v):
-    """States at scattered pages, one row padding (state id -1): the states change in place, and only theirs."""
+    """States at scattered pages that sit further apart than a state (the pool pads them), one row padding (state id
+    -1): the states change in place, and only theirs."""
     gen = torch.Generator().manual_seed(num_requests * dk)
     q, k = torch.randn(2, num_requests, hk, dk, generator=gen).unbind(0)
     v = torch.randn(num_requests, hv, dv, generator=gen)
     g = -torch.rand(num_requests, hv, generator=gen)
     beta = torch.rand(num_requests, hv, generator=gen)
-    pages = torch.randn(2 * num_requests + 1, hv, dk, dv, generator=gen)
+    tri_pages, rows = pool_pages(2 * num_requests + 1, (hv, dk, dv), dv + 3, gen)
     ids = torch.randperm(2 * num_requests + 1, generator=gen)[:num_requests]
     ids[1] = -1
-    ref_pages, tri_pages = pages.clone(), pages.clone()
+    ref_pages = tri_pages.clone()
     ref = reference.gated_delta_step(q, k, v, g, beta, ref_pages, ids)
     tri = gated_delta_step_triton(q, k, v, g, beta, tri_pages, ids, block_v=block_v)
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tri_pages, ref_pages, rtol=1e-5, atol=1e-5)
+    assert rows[:, tri_pages[0].numel() :].isnan().all()
 
 
 @pytest.mark.parametrize("num_requests,channels,width,block_c,bias", [(3, 40, 4, 16, True), (2, 7, 2, 8, False),
@@ -438,11 +449,12 @@ def test_causal_conv1d_step(num_requests, channels, width, block_c, bias):
     x = torch.randn(num_requests, channels, generator=gen)
     weight = torch.randn(channels, width, generator=gen)
     b = torch.randn(channels, generator=gen) if bias else None
-    pages = torch.randn(2 * num_requests + 1, channels, width - 1, generator=gen)
+    tri_pages, rows = pool_pages(2 * num_requests + 1, (channels, width - 1), channels // 2, gen)
     ids = torch.randperm(2 * num_requests + 1, generator=gen)[:num_requests]
     ids[0] = -1
-    ref_pages, tri_pages = pages.clone(), pages.clone()
+    ref_pages = tri_pages.clone()
     ref = reference.causal_conv1d_step(x, ref_pages, ids, weight, b)
     tri = causal_conv1d_step_triton(x, tri_pages, ids, weight, b, block_c=block_c)
     torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tri_pages, ref_pages, rtol=0, atol=0)
+    assert rows[:, tri_pages[0].numel() :].isnan().all()
