@@ -108,12 +108,12 @@ def test_hybrid_tokens_on_gpu_equal_hugging_face(hybrid, monkeypatch):
     options = dict(device="cuda", dtype=torch.float32)
     _, tokens = generate(folder, prompts, expert_policy="resident", **options)
     assert tokens == expected
-    budget = hybrid_budget(folder, kv_tokens=60, num_states=3, offload=2)
+    budget = hybrid_budget(folder, kv_tokens=60, num_states=3, offload=2, **options)  # fp32 weights, not bf16
     elastic, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
                                **options)  # fmt: skip
     assert tokens == expected and elastic.expert_stats["evictions"] > 0
     expect_no_growth(monkeypatch)
-    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0),
+    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0, **options),
                                 expert_policy="resident", **options)  # fmt: skip
     assert tokens == expected and squeezed.scheduler.num_preemptions > 0
 
