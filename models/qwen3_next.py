@@ -16,7 +16,6 @@ from rimuru.models import parallel
 from rimuru.models.config import LINEAR_ATTENTION, ModelConfig
 from rimuru.models.context import ForwardContext
 from rimuru.models.layers import MLP, RotaryEmbedding, VocabParallelEmbedding
-from rimuru.models.pieces import Pieces
 from rimuru.models.qwen_moe import QwenMoeForCausalLM, SparseMoeBlock
 
 
@@ -184,11 +183,11 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> Pieces:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
         x = x + (self.linear_attn(h, ctx) if self.is_linear else self.self_attn(h, cos, sin, ctx))  # [T, D]
         h = self.post_attention_layernorm(x)
-        return x + ((yield from self.mlp.steps(h, ctx)) if self.is_moe else self.mlp(h))  # [T, D]
+        return x + (self.mlp(h, ctx) if self.is_moe else self.mlp(h))  # [T, D]
 
 
 class HybridModel(nn.Module):
@@ -203,11 +202,11 @@ class HybridModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(int(config.head_dim * config.partial_rotary_factor), config.rope_theta)
 
-    def steps(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Pieces:  # input_ids [T] -> [T, D]
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T] -> [T, D]
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary_emb(ctx.positions, x.dtype)  # [T, rotary dims]
         for layer in self.layers:
-            x = yield from layer.steps(x, cos, sin, ctx)
+            x = layer(x, cos, sin, ctx)
         return x
 
 
