@@ -130,21 +130,15 @@ class GatedDeltaNet(nn.Module):
         out = self._delta_rule(q, k, v, g, beta, ctx)  # [T, Hv, Dv]
         return parallel.all_reduce(self.out_proj(self.norm(out, z).reshape(t, -1)))  # each rank's heads: a partial sum
 
-    def _all_decodes(self, ctx: ForwardContext, num_tokens: int) -> bool:
-        if ctx.decode_only is not None:
-            return ctx.decode_only
-        num_requests = ctx.query_start_loc.shape[0] - 1
-        return num_tokens == num_requests and bool(ctx.state_continues.all())
-
     def _conv(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, C]
         weight, ids = self.conv1d.weight.squeeze(1), ctx.conv_state_ids[self.state_idx]
-        if self._all_decodes(ctx, x.shape[0]):
+        if ctx.decode_only:
             return ops.causal_conv1d_step(x, ctx.conv_view, ids, weight, None)
         return ops.causal_conv1d_prefill(x, ctx.conv_view, ids, ctx.query_start_loc, ctx.state_continues, weight, None)
 
     def _delta_rule(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:
         ids = ctx.ssm_state_ids[self.state_idx]
-        if self._all_decodes(ctx, q.shape[0]):
+        if ctx.decode_only:
             return ops.gated_delta_step(q, k, v, g, beta, ctx.ssm_view, ids)
         return ops.gated_delta_prefill(q, k, v, g, beta, ctx.ssm_view, ids, ctx.query_start_loc, ctx.state_continues)
 

@@ -105,16 +105,19 @@ class ResidentRunner:
             expert_view=self.expert_view,
             logits_indices=(torch.arange(len(positions)) if all_logits else ends).to(dev),
             on_routing=self.record_routing,
-            **self._state_fields(requests),
+            **self._state_fields(chunks),
         )
 
-    def _state_fields(self, requests: list[int]) -> dict:
+    def _state_fields(self, chunks: dict[int, list[int]]) -> dict:
+        """A hybrid model's state pages of the step's requests; `decode_only` decided on the host, as the runner does."""
         if self.ssm_view is None:
             return {}
-        dev = self.device
+        dev, requests = self.device, list(chunks)
+        continues = [self.seq_lens[r] > 0 for r in requests]
         return dict(ssm_view=self.ssm_view, conv_view=self.conv_view, ssm_state_ids=self.ssm_ids[:, requests].to(dev),
                     conv_state_ids=self.conv_ids[:, requests].to(dev),
-                    state_continues=torch.tensor([self.seq_lens[r] > 0 for r in requests], device=dev))  # fmt: skip
+                    state_continues=torch.tensor(continues, device=dev),
+                    decode_only=all(continues) and all(len(toks) == 1 for toks in chunks.values()))  # fmt: skip
 
     def record_routing(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         self.routing_calls.append((layer_idx, tuple(hidden.shape), tuple(topk_ids.shape)))
