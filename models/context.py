@@ -41,6 +41,7 @@ class ForwardContext:
     ssm_state_ids: torch.Tensor | None = None
     conv_state_ids: torch.Tensor | None = None
     state_continues: torch.Tensor | None = None
-    # every request brings one token and continues its state, known on the host (a captured pass branches on no
-    # device value): the linear layers take their decode kernels. None: read from `state_continues`.
-    decode_only: bool | None = None
+    # every request brings one token and continues its state, known on the host (a captured or compiled pass
+    # branches on no device value): the linear layers take their decode kernels. False: their prompt kernels, which
+    # also take decodes.
+    decode_only: bool = False

@@ -16,7 +16,6 @@ from rimuru.models import parallel
 from rimuru.models.config import LINEAR_ATTENTION, ModelConfig
 from rimuru.models.context import ForwardContext
 from rimuru.models.layers import MLP, RotaryEmbedding, VocabParallelEmbedding
-from rimuru.models.pieces import Pieces
 from rimuru.models.qwen_moe import QwenMoeForCausalLM, SparseMoeBlock
 
 
@@ -131,21 +130,15 @@ class GatedDeltaNet(nn.Module):
         out = self._delta_rule(q, k, v, g, beta, ctx)  # [T, Hv, Dv]
         return parallel.all_reduce(self.out_proj(self.norm(out, z).reshape(t, -1)))  # each rank's heads: a partial sum
 
-    def _all_decodes(self, ctx: ForwardContext, num_tokens: int) -> bool:
-        if ctx.decode_only is not None:
-            return ctx.decode_only
-        num_requests = ctx.query_start_loc.shape[0] - 1
-        return num_tokens == num_requests and bool(ctx.state_continues.all())
-
     def _conv(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # [T, C]
         weight, ids = self.conv1d.weight.squeeze(1), ctx.conv_state_ids[self.state_idx]
-        if self._all_decodes(ctx, x.shape[0]):
+        if ctx.decode_only:
             return ops.causal_conv1d_step(x, ctx.conv_view, ids, weight, None)
         return ops.causal_conv1d_prefill(x, ctx.conv_view, ids, ctx.query_start_loc, ctx.state_continues, weight, None)
 
     def _delta_rule(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:
         ids = ctx.ssm_state_ids[self.state_idx]
-        if self._all_decodes(ctx, q.shape[0]):
+        if ctx.decode_only:
             return ops.gated_delta_step(q, k, v, g, beta, ctx.ssm_view, ids)
         return ops.gated_delta_prefill(q, k, v, g, beta, ctx.ssm_view, ids, ctx.query_start_loc, ctx.state_continues)
 
@@ -184,11 +177,11 @@ class HybridDecoderLayer(nn.Module):
         self.input_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def steps(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> Pieces:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         h = self.input_layernorm(x)
         x = x + (self.linear_attn(h, ctx) if self.is_linear else self.self_attn(h, cos, sin, ctx))  # [T, D]
         h = self.post_attention_layernorm(x)
-        return x + ((yield from self.mlp.steps(h, ctx)) if self.is_moe else self.mlp(h))  # [T, D]
+        return x + (self.mlp(h, ctx) if self.is_moe else self.mlp(h))  # [T, D]
 
 
 class HybridModel(nn.Module):
@@ -203,11 +196,11 @@ class HybridModel(nn.Module):
         self.norm = ZeroCenteredRMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(int(config.head_dim * config.partial_rotary_factor), config.rope_theta)
 
-    def steps(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Pieces:  # input_ids [T] -> [T, D]
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T] -> [T, D]
         x = self.embed_tokens(input_ids)  # [T, D]
         cos, sin = self.rotary_emb(ctx.positions, x.dtype)  # [T, rotary dims]
         for layer in self.layers:
-            x = yield from layer.steps(x, cos, sin, ctx)
+            x = layer(x, cos, sin, ctx)
         return x
 
 

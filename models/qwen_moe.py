@@ -3,9 +3,9 @@
 Parameter names match Hugging Face checkpoint keys, except the routed experts: they are not parameters here. They
 live in pool pages owned by the expert store, and a MoE layer reaches them only through
 `ctx.expert_view` and `ctx.expert_page_tables[layer_idx]` (docs/architecture.md, Expert tiers). The two families
-differ in two switches: qwen2_moe has a gated shared expert, qwen3_moe a per-head q/k RMSNorm. The forward pass is
-written as generators (`steps`) that pause at each MoE layer's routing (`rimuru.models.pieces`), so a runner can act
-between the router and the expert kernel, eagerly or between CUDA graph replays.
+differ in two switches: qwen2_moe has a gated shared expert, qwen3_moe a per-head q/k RMSNorm. Each MoE layer calls
+the context's routing hook between its router and its expert kernel (`rimuru.models.pieces`), so a runner can act
+there, eagerly or between CUDA graph replays; without a hook the pass has no Python control flow on tensor values.
 Shape letters: T tokens, B' tokens whose logits are wanted, D hidden, E experts, K top-k, V vocabulary.
 """
 
@@ -17,7 +17,7 @@ from rimuru.models import parallel
 from rimuru.models.config import ModelConfig
 from rimuru.models.context import ForwardContext
 from rimuru.models.layers import MLP, Attention, ParallelLMHead, RMSNorm, RotaryEmbedding, VocabParallelEmbedding
-from rimuru.models.pieces import Pieces, RoutingPoint, run_pieces
+from rimuru.models.pieces import call_routing_hook
 
 
 class GatedSharedExpert(nn.Module):
@@ -79,12 +79,13 @@ class SparseMoeBlock(nn.Module):
             logits = nn.functional.linear(x.float(), self.router_weight)  # [T, E]
         return ops.topk_softmax(logits, self.top_k, self.norm_topk_prob)
 
-    def steps(self, x: torch.Tensor, ctx: ForwardContext) -> Pieces:  # x [T, D] -> [T, D]
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # x [T, D] -> [T, D]
         topk_ids, topk_weights = self.route(x)  # [T, K]
         if ctx.padding_rows is not None:
             topk_ids = torch.where(ctx.padding_rows[:, None], topk_ids[:1], topk_ids)
-        yield RoutingPoint(self.layer_idx, x, topk_ids)
-        page_table = ctx.expert_page_tables[self.layer_idx]  # [E, 3]
+        if ctx.on_routing is not None:
+            call_routing_hook(ctx.on_routing, self.layer_idx, x, topk_ids)
+        page_table = ctx.expert_page_tables[self.layer_idx]  # [E, 3], read after the hook may have edited it
         host = ctx.host_experts.get(self.layer_idx) if ctx.host_experts else None
         out = ops.paged_moe(x, ctx.expert_view, page_table, topk_ids, topk_weights, self.num_features, host)  # [T, D]
         if self.shared_expert is not None:
@@ -102,13 +103,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def steps(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
-              ctx: ForwardContext) -> Pieces:  # fmt: skip
+    def forward(self, x: torch.Tensor, residual: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor,
+                ctx: ForwardContext) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """x the previous layer's output and residual the stream before it (None at the first layer): returns this
         layer's MLP output and the stream before it; each norm adds the two in its own kernel, as vLLM's layers do."""
         h, residual = self.input_layernorm.add(x, residual)  # [T, D] each
         h, residual = self.post_attention_layernorm.add(self.self_attn(h, cos, sin, ctx), residual)
-        return ((yield from self.mlp.steps(h, ctx)) if self.is_moe else self.mlp(h)), residual
+        return (self.mlp(h, ctx) if self.is_moe else self.mlp(h)), residual
 
 
 class QwenMoeModel(nn.Module):
@@ -121,11 +122,11 @@ class QwenMoeModel(nn.Module):
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary_emb = RotaryEmbedding(config.head_dim, config.rope_theta)
 
-    def steps(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Pieces:  # input_ids [T] -> [T, D]
+    def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T] -> [T, D]
         x, residual = self.embed_tokens(input_ids), None  # [T, D]
         cos, sin = self.rotary_emb(ctx.positions, x.dtype)  # [T, Dh]
         for layer in self.layers:
-            x, residual = yield from layer.steps(x, residual, cos, sin, ctx)
+            x, residual = layer(x, residual, cos, sin, ctx)
         return x + residual
 
 
@@ -187,11 +188,8 @@ class QwenMoeForCausalLM(nn.Module):
         return {key: shape for key, (_, _, shape) in self.checkpoint_layout().items()}
 
     def forward(self, input_ids: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # input_ids [T] -> [B', V]
-        return run_pieces(self.steps(input_ids, ctx), ctx.on_routing)
-
-    def steps(self, input_ids: torch.Tensor, ctx: ForwardContext) -> Pieces:  # input_ids [T] -> [B', V]
-        """The forward pass cut at each MoE layer's routing: yields a `RoutingPoint` there, returns the logits."""
-        x = yield from self.model.steps(input_ids, ctx)  # [T, D]
+        """The logits of the tokens `ctx.logits_indices` names, calling `ctx.on_routing` at each MoE layer's routing."""
+        x = self.model(input_ids, ctx)  # [T, D]
         x = self.model.norm(x[ctx.logits_indices])  # [B', D]
         return self.lm_head(x)  # [B', V]
 

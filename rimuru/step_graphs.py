@@ -2,7 +2,7 @@
 
 Eager decode spends most of a step on the host launching kernels that keep the GPU busy for a third of it
 (docs/benchmarks/engine.md). Here the pieces of a pass between two MoE routings (`rimuru.models.pieces`) are
-captured once per shape, all in one memory pool: decode shapes for the batch sizes of `batch_sizes`, and with
+captured once per shape (a capture hook at each routing ends one piece's graph and begins the next), all in one memory pool: decode shapes for the batch sizes of `batch_sizes`, and with
 `mixed_sizes` (the default for elastic, `EngineConfig.mixed_cuda_graphs`) shapes for steps that mix prefill chunks
 and decodes, one per padded token count. A step writes its rows into the static buffers (`rimuru.graph_inputs`,
 which also draws the padding layouts), pads them to the next captured shape and replays the pieces in order; between
@@ -19,7 +19,7 @@ the CPU.
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from tqdm import tqdm
@@ -27,7 +27,7 @@ from tqdm import tqdm
 from rimuru.graph_inputs import GraphInputs, Shape
 from rimuru.memory import KV
 from rimuru.models import QwenMoeForCausalLM
-from rimuru.models.pieces import Pieces, RoutingPoint, run_pieces
+from rimuru.models.pieces import RoutingHook, RoutingPoint
 
 MAX_GRAPH_BATCH = 512
 MAX_MIXED_TOKENS = 2048  # larger prefill steps are compute-bound: they run eagerly
@@ -180,7 +180,7 @@ class StepGraphs:
     def run_padding(self, shape: Shape) -> torch.Tensor:
         """An eager pass of `shape` whose rows are all padding: logits [S, V] (warm-ups and memory profiles)."""
         self.inputs.write_padding_only(shape)
-        return run_pieces(self._pieces(shape), None)
+        return self._forward(shape, None)
 
     def _allocate_outputs(self) -> None:
         config, top, tokens = self.model.config, self.batch_sizes[-1], self.inputs.max_tokens
@@ -194,24 +194,34 @@ class StepGraphs:
     def _capture(self, shape: Shape, pool) -> _Captured:
         # NOTE: capture_begin/end rather than `torch.cuda.graph`, which collects garbage around each of the
         # (shapes x MoE layers) captures.
-        pieces = self._pieces(shape)
-        graphs, points = [], []
-        while True:
+        graphs, points, piece = [], [], None  # piece: the graph being captured, None between two
+
+        def begin_piece() -> None:
+            nonlocal piece
             graph = torch.cuda.CUDAGraph()
             graph.capture_begin(pool=pool)
-            try:
-                point = self._store_point(len(points), shape.tokens, next(pieces))
-            except StopIteration as done:
-                point = None
-                self.logits[: shape.sampled].copy_(done.value)
-                if self.count_pass is not None:
-                    self.count_pass(self.point_ids[:, : shape.tokens], self._real_rows(shape), self.expert_tables)
-            finally:
-                graph.capture_end()
+            piece = graph
+
+        def end_piece() -> None:
+            nonlocal piece
+            graph, piece = piece, None
+            graph.capture_end()
             graphs.append(graph)
-            if point is None:
-                return _Captured(graphs, points)
-            points.append(point)
+
+        def cut(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:  # the pass's routing hook
+            points.append(self._store_point(len(points), shape.tokens, RoutingPoint(layer_idx, hidden, topk_ids)))
+            end_piece()
+            begin_piece()
+
+        begin_piece()
+        try:
+            self.logits[: shape.sampled].copy_(self._forward(shape, cut))
+            if self.count_pass is not None:
+                self.count_pass(self.point_ids[:, : shape.tokens], self._real_rows(shape), self.expert_tables)
+        finally:
+            if piece is not None:  # a capture that failed part-way still leaves capture mode
+                end_piece()
+        return _Captured(graphs, points)
 
     def _store_point(self, index: int, size: int, point: RoutingPoint) -> RoutingPoint:
         """Copy a routing point into the shared buffers (inside the capture); the hook reads the copies."""
@@ -249,14 +259,14 @@ class StepGraphs:
     def _run_uncaptured(self, shape: Shape, hook) -> torch.Tensor:
         """The pass run eagerly over the static buffers (CPU), its routing counted as the last graph counts it."""
         if self.count_pass is None:
-            return run_pieces(self._pieces(shape), hook)
+            return self._forward(shape, hook)
         routed = []
 
         def keeping(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor):
             routed.append(topk_ids)
             return hook(layer_idx, hidden, topk_ids) if hook is not None else None
 
-        logits = run_pieces(self._pieces(shape), keeping)
+        logits = self._forward(shape, keeping)
         self.count_pass(torch.stack(routed), self._real_rows(shape), self.expert_tables)
         return logits
 
@@ -264,8 +274,8 @@ class StepGraphs:
         """[T] True on the step's own token rows, False on the padding (written by `GraphInputs.write`)."""
         return ~self.inputs.padding_rows[: shape.tokens]
 
-    def _pieces(self, shape: Shape) -> Pieces:
-        """The pass over `shape`'s rows of the static buffers."""
+    def _forward(self, shape: Shape, on_routing: RoutingHook | None) -> torch.Tensor:
+        """The pass over `shape`'s rows of the static buffers, calling `on_routing` at each MoE layer's routing."""
         input_ids, ctx = self.inputs.context(shape, self.expert_tables, self.kv_view, self.expert_view,
                                              self.host_experts)  # fmt: skip
-        return (yield from self.model.steps(input_ids, ctx))
+        return self.model(input_ids, replace(ctx, on_routing=on_routing))

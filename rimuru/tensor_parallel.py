@@ -36,7 +36,7 @@ class StepMessage:
     copies: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (layer, expert, its three page ids)
     input_ids: torch.Tensor | None = None  # [T]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the ForwardContext's tensors
-    decode_only: bool | None = None  # a hybrid's `ForwardContext.decode_only`
+    decode_only: bool = False  # a hybrid's `ForwardContext.decode_only`
     stop: bool = False
 
 

@@ -25,10 +25,13 @@ class ResidentRunner:
         max_pages: int = 16,
         page_tokens: int = 4,
         on_routing: Callable[[int, torch.Tensor, torch.Tensor], None] | None = None,
+        records_routing: bool = True,
     ):
+        """`records_routing=False`: the passes get no routing hook, as the engine's with every expert resident and
+        nothing counting."""
         cfg = loaded.config
         self.device = next(loaded.model.parameters()).device
-        self.on_routing = on_routing
+        self.on_routing, self.records_routing = on_routing, records_routing
         self.loaded, self.page_tokens = loaded, page_tokens
         self.max_requests, self.max_pages = max_requests, max_pages
         self.num_layers = len(cfg.attention_layer_ids)  # KV tables: one row an attention layer
@@ -65,14 +68,15 @@ class ResidentRunner:
         """page_id * page_tokens + offset of token `pos` of a request in one layer."""
         return self.kv_page(layer_idx, request, pos // self.page_tokens) * self.page_tokens + pos % self.page_tokens
 
-    def step(self, chunks: dict[int, list[int]], all_logits: bool = False) -> torch.Tensor:
-        """Append each request's new tokens ({request: tokens}); logits of every token, or of each chunk's last."""
+    def step(self, chunks: dict[int, list[int]], all_logits: bool = False, model: Callable | None = None):  # [B', V]
+        """Append each request's new tokens ({request: tokens}); logits of every token, or of each chunk's last.
+        `model` runs the pass (the loaded model's forward, or a compiled one)."""
         input_ids = torch.tensor([t for toks in chunks.values() for t in toks], dtype=torch.long, device=self.device)
         ctx = self.context(chunks, all_logits)
         for request, toks in chunks.items():
             self.seq_lens[request] += len(toks)
         with torch.no_grad():
-            return self.loaded.model(input_ids, ctx)
+            return (self.loaded.model if model is None else model)(input_ids, ctx)
 
     def context(self, chunks: dict[int, list[int]], all_logits: bool) -> ForwardContext:
         positions, slots, starts, seq_lens = [], [], [0], []
@@ -104,17 +108,20 @@ class ResidentRunner:
             kv_view=self.kv_view,
             expert_view=self.expert_view,
             logits_indices=(torch.arange(len(positions)) if all_logits else ends).to(dev),
-            on_routing=self.record_routing,
-            **self._state_fields(requests),
+            on_routing=self.record_routing if self.records_routing else None,
+            **self._state_fields(chunks),
         )
 
-    def _state_fields(self, requests: list[int]) -> dict:
+    def _state_fields(self, chunks: dict[int, list[int]]) -> dict:
+        """A hybrid model's state pages of the step's requests; `decode_only` decided on the host, as the runner does."""
         if self.ssm_view is None:
             return {}
-        dev = self.device
+        dev, requests = self.device, list(chunks)
+        continues = [self.seq_lens[r] > 0 for r in requests]
         return dict(ssm_view=self.ssm_view, conv_view=self.conv_view, ssm_state_ids=self.ssm_ids[:, requests].to(dev),
                     conv_state_ids=self.conv_ids[:, requests].to(dev),
-                    state_continues=torch.tensor([self.seq_lens[r] > 0 for r in requests], device=dev))  # fmt: skip
+                    state_continues=torch.tensor(continues, device=dev),
+                    decode_only=all(continues) and all(len(toks) == 1 for toks in chunks.values()))  # fmt: skip
 
     def record_routing(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
         self.routing_calls.append((layer_idx, tuple(hidden.shape), tuple(topk_ids.shape)))
