@@ -116,6 +116,9 @@ class EngineConfig:
     # memory pool is profiled at start-up and taken from the pool (docs/benchmarks/vs-vllm.md); a hybrid model's
     # steps with prompt chunks always run eagerly
     mixed_cuda_graphs: bool = True
+    # the forward pass through torch.compile (inductor fuses what lies between the rimuru kernels; the CUDA graphs
+    # capture the compiled pass); its cache beside Triton's (rimuru.compilation). Off until measured on a GPU
+    compile: bool = False
     # a preempted request's KV: copied to pinned host memory and back ("swap"), or freed and its prompt recomputed
     preemption: str = "swap"
     seed: int = 0
@@ -176,6 +179,8 @@ def _check_tensor_parallel(config: EngineConfig, device: str) -> None:
         raise ValueError(f"tensor_parallel_size {size} reads host experts in place only: expert_reads='direct'")
     if config.cuda_graphs:
         raise ValueError(f"tensor_parallel_size {size} runs steps eagerly for now: leave cuda_graphs unset")
+    if config.compile:
+        raise ValueError(f"tensor_parallel_size {size} runs the eager forward pass for now: leave compile off")
 
 
 def field_docs() -> dict[str, str]:

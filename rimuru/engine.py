@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from rimuru.adjuster import Adjuster, ChangeList
+from rimuru.compilation import compile_forward
 from rimuru.config import EngineConfig, format_bytes, host_memory
 from rimuru.cost_adjuster import CostThresholds
 from rimuru.cuda_allocator import use_expandable_segments
@@ -81,6 +82,8 @@ class Engine:
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
         self.model_config = self.loaded.config
+        if config.compile:  # before the memory profile: it and the graphs' warm-ups run the compiled pass
+            compile_forward(self.loaded.model, self.model_config.num_hidden_layers)
         self.step_memory = None  # what a step takes outside the pool, where profiled (`rimuru.memory_profile`)
         wants_graphs = graphs_wanted(config.cuda_graphs, self.device) and not self.workers
         self._build_pool(wants_graphs)

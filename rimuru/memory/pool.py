@@ -25,6 +25,9 @@ class MemoryPool:
         self.sizes = sizes
         self.num_bytes = num_bytes - num_bytes % sizes.huge_page_bytes  # the rest is reported as padding
         self.data = torch.empty(self.num_bytes, dtype=torch.uint8, device=device)  # [bytes]
+        # one typed tensor over the bytes per dtype, the `_base` of every view of that dtype: torch.compile takes
+        # aliased views that a pass writes through only when they share their base
+        self._typed: dict[torch.dtype, torch.Tensor] = {}
 
     @property
     def device(self) -> torch.device:
@@ -32,10 +35,11 @@ class MemoryPool:
 
     def view(self, dtype: torch.dtype, page_stride: int, page_shape: tuple[int, ...]) -> torch.Tensor:
         """[num_pages, *page_shape] over the whole pool; padding between pages (stride > payload) is skipped."""
-        elem = torch.empty((), dtype=dtype).element_size()
+        typed = self._typed.setdefault(dtype, self.data.view(dtype))
+        elem = typed.element_size()
         num_pages = self.num_bytes // page_stride
-        rows = self.data[: num_pages * page_stride].view(dtype).view(num_pages, page_stride // elem)
-        return rows[:, : math.prod(page_shape)].view(num_pages, *page_shape)
+        inner = [math.prod(page_shape[i + 1 :]) for i in range(len(page_shape))]  # row-major within a page
+        return typed.as_strided((num_pages, *page_shape), (page_stride // elem, *inner))
 
     def expert_view(self) -> torch.Tensor:
         """[P, F * D]: one expert matrix (gate, up or down) a page."""

@@ -1,0 +1,54 @@
+"""`compile=True`: the engine's forward pass through torch.compile (inductor's C++ backend on the CPU) gives Hugging
+Face's greedy tokens, all experts resident and under the elastic pool with copy-mode reads (whose routing hook is
+a graph break a MoE layer), on the padded graph path too; a compile that fails falls back to the eager pass."""
+
+import logging
+
+import pytest
+import torch
+import torch._dynamo
+
+from rimuru.models import fabricate
+from tests.engine.conftest import make_prompts
+from tests.engine.test_experts import budget_for, run
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()  # each engine compiles its own model: no cache entries or recompile counts carried over
+    yield
+    torch._dynamo.reset()
+
+
+def test_compiled_engine_gives_hugging_face_tokens(family):
+    folder, prompts, expected = family
+    resident, tokens = run(folder, prompts, expert_policy="resident", compile=True, cuda_graphs=True)
+    assert tokens == expected and resident.runner.num_graph_steps > 0
+    assert resident.loaded.model.forward.num_calls > 0 and not resident.loaded.model.forward.failed
+    budget = budget_for(folder, kv_tokens=60, offload=3)
+    elastic, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
+                          expert_reads="copy", compile=True)  # fmt: skip
+    assert tokens == expected and elastic.expert_stats["evictions"] > 0
+    assert not elastic.loaded.model.forward.failed
+
+
+def test_a_failed_compile_runs_the_eager_pass(family, monkeypatch, caplog):
+    folder, prompts, expected = family
+
+    def failing_backend(graph, example_inputs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.setattr("rimuru.compilation.BACKEND", failing_backend)
+    with caplog.at_level(logging.WARNING, logger="rimuru.compilation"):
+        engine, tokens = run(folder, prompts, expert_policy="resident", compile=True)
+    assert tokens == expected and engine.loaded.model.forward.failed
+    assert any("runs eagerly" in r.getMessage() for r in caplog.records)
+
+
+def test_compiled_hybrid_gives_the_eager_tokens(tmp_path):
+    """Qwen3-Next: the linear layers' state ops inside the compiled pass (every pool view fp32 on the CPU)."""
+    folder = fabricate(tmp_path, arch="qwen3_next")
+    prompts = make_prompts(512)
+    _, eager = run(folder, prompts, expert_policy="resident", cuda_graphs=True)
+    compiled, tokens = run(folder, prompts, expert_policy="resident", cuda_graphs=True, compile=True)
+    assert tokens == eager and not compiled.loaded.model.forward.failed
