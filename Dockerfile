@@ -34,15 +34,16 @@ RUN apt-get update \
 # (as /tmp is) so that `docker run --user "$(id -u):$(id -g)"` works for a host uid other than 1000.
 RUN (userdel --remove ubuntu 2>/dev/null || true) \
     && useradd --uid 1000 --user-group --create-home --home-dir /home/rimuru --shell /usr/sbin/nologin rimuru \
-    && mkdir -p /data/hf /data/triton \
+    && mkdir -p /data/hf /data/triton /data/inductor \
     && chown -R 1000:1000 /data \
-    && chmod 1777 /data/hf /data/triton
+    && chmod 1777 /data/hf /data/triton /data/inductor
 
 ENV VIRTUAL_ENV=/opt/rimuru \
     PATH=/opt/rimuru/bin:$PATH \
     HOME=/home/rimuru \
     HF_HOME=/data/hf \
     TRITON_CACHE_DIR=/data/triton \
+    TORCHINDUCTOR_CACHE_DIR=/data/inductor \
     PYTHONUNBUFFERED=1
 
 # torch first, from PyTorch's CUDA 12.8 index, in its own layer: it is most of the image and changes least.
@@ -57,7 +58,7 @@ RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
 
 USER 1000:1000
 WORKDIR /home/rimuru
-VOLUME ["/data/hf", "/data/triton"]
+VOLUME ["/data/hf", "/data/triton", "/data/inductor"]
 EXPOSE 8000
 
 # Exec form: `rimuru` is PID 1 and receives SIGTERM itself, so `docker stop` drains requests in flight (give it

@@ -252,7 +252,8 @@ def causal_conv1d_prefill_gathered(x, conv_view, state_ids, query_start_loc, con
 
 @gated_delta_prefill.register_kernel("cuda")
 def _gated_delta_prefill_cuda(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues):
-    if _fla_chunk_gated_delta_rule() is None or bool((state_ids < 0).any()):
+    # flash-linear-attention multiplies in TF32 at fp32: an fp32 model keeps the reference's exact products
+    if _fla_chunk_gated_delta_rule() is None or q.dtype == torch.float32 or bool((state_ids < 0).any()):
         return reference.gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
     return gated_delta_prefill_fla(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
 

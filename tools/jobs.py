@@ -101,15 +101,15 @@ def linearstate(s: Session) -> None:
 
 def stepab(s: Session) -> None:
     """The decode step at PROFILE_FLAGS (64 resident requests) in this tree and in BASE_TREE (.bench/base: `git
-    archive BASE | tar -x -C .bench/base`, carried), alternated this, base, this, base; each lays out its own package."""
+    archive BASE | tar -x -C .bench/base`, carried) at BASE_FLAGS (PROFILE_FLAGS), alternated this, base, this, base;
+    each lays out its own package. BASE_TREE=. with BASE_FLAGS compares two settings of this tree (--compile)."""
     base = s.knob("BASE_TREE", ".bench/base")
     flags = s.knob("PROFILE_FLAGS", "--num-requests 64 --expert-policy resident")
     model, stream = Path(s.model).resolve(), Path(s.stream).resolve()
-    for i, tree in enumerate([".", base, ".", base]):
-        name = "this" if tree == "." else "base"
+    for i, (name, tree, tree_flags) in enumerate([("this", ".", flags), ("base", base, s.knob("BASE_FLAGS", flags))] * 2):
         log = s.out / f"stepab-{i}-{name}.txt"
         script = (f"cd {tree} && source tools/device_env.sh && exec python -P -m tools.engine.profile_step {model} "
-                  f"{' '.join(s.dummy)} --stream {stream} --steps 20 {flags}")  # fmt: skip
+                  f"{' '.join(s.dummy)} --stream {stream} --steps 20 {tree_flags}")  # fmt: skip
         rc = s.run(["bash", "-c", script], log=log, timeout_s=240)
         s.say(f"-- {name} rc={rc}: {first_line(log, 'decode step')}")
 
