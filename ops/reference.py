@@ -184,6 +184,11 @@ def gated_delta_step(
     return out.to(dtype)
 
 
+# tokens the chunked delta rule takes at a time in matrix form (Hugging Face's and flash-linear-attention's block):
+# a prompt cut only at multiples of it from its first token rounds the same however it is cut
+DELTA_RULE_BLOCK = 64
+
+
 def gated_delta_chunk(
     q: torch.Tensor,  # [T, Hk, Dk] one request's consecutive tokens
     k: torch.Tensor,  # [T, Hk, Dk]
@@ -193,7 +198,7 @@ def gated_delta_chunk(
     ssm_view: torch.Tensor,  # [P, Hv, Dk, Dv]
     state_id: int,  # the request's state page: read when `continues`, written with the state after the last token
     continues: bool,  # False: the chunk starts the sequence (a zero state)
-    chunk_size: int = 64,
+    chunk_size: int = DELTA_RULE_BLOCK,
 ) -> torch.Tensor:  # [T, Hv, Dv]
     """The gated delta rule over a prompt chunk, `chunk_size` tokens at a time in matrix form (the WY / UT
     transform): equal to `gated_delta_step` token by token, carried exactly across calls through the state page."""

@@ -26,6 +26,7 @@ from rimuru.admission import GrowthForecast
 from rimuru.kv_cache import KVCacheManager
 from rimuru.kv_swap import KVSwap
 from rimuru.linear_state_cache import LinearStateCache
+from rimuru.ops.reference import DELTA_RULE_BLOCK
 from rimuru.request import Request, RequestStatus
 
 REFUSAL_ROUNDS = 4  # rounds a forecast's refusal stands while nothing but decoding changes
@@ -113,7 +114,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new(request, budget)
+            if num_new == 0:  # a hybrid's prompt chunk waits for a round whose budget reaches its next block
+                index += 1
+                continue
             placed = self._allocate_or_preempt(request, num_new, batch)
             if placed:
                 batch.add(request, num_new)
@@ -121,6 +125,20 @@ class Scheduler:
             if placed or request.status is RequestStatus.RUNNING:  # placed, or sitting this round out
                 index += 1
         return budget
+
+    def _num_new(self, request: Request, budget: int) -> int:
+        """Tokens `request` computes this round: what it has left, within `budget`. A hybrid's prompt is cut at a
+        multiple of the delta rule's block from its first token, so that the budget and the batch beside it never
+        move where its state's blocks round: 0 (not this round) when the budget falls short of the next block but a
+        round's could reach it; a step limit that never could cuts anywhere."""
+        left = request.num_tokens - request.num_computed_tokens
+        num_new = min(left, budget)
+        if self.states is None or num_new == left:
+            return num_new
+        end = request.num_computed_tokens + num_new
+        aligned = end - end % DELTA_RULE_BLOCK - request.num_computed_tokens
+        reachable = self.config.max_num_batched_tokens - len(self.running) >= DELTA_RULE_BLOCK
+        return aligned if aligned > 0 or reachable else num_new
 
     def _allocate_or_preempt(self, request: Request, num_new: int, batch: ScheduledBatch) -> bool:
         """Pages for `request`; when short, wait for the adjuster if it can cover the shortfall, else preempt the
@@ -178,7 +196,9 @@ class Scheduler:
         admission = _Admission(self) if self.waiting else None
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
-            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            num_new = self._num_new(request, budget)
+            if num_new == 0:
+                return
             if not admission.admits(request) and self.running:  # alone it is served: it may stop early
                 self._refused_pages = admission.lacking * self.kv_cache.num_layers
                 self.num_refusals += 1

@@ -129,3 +129,22 @@ def test_a_running_hybrid_request_shows_its_state_in_the_pool_split(hybrid):
     split = pool_split(engine.allocator.stats())
     layers = len(engine.model_config.linear_layer_ids)
     assert split["state_pages"] == 2 * layers and split["state_bytes"] > 0
+
+
+def test_hybrid_prompts_are_cut_at_the_delta_rules_blocks(hybrid):
+    """Prompts of 150 tokens under a step limit of 100 with a decode beside them: each prompt chunk ends at a
+    multiple of the block from the prompt's first token, or at the prompt's end."""
+    from rimuru.ops.reference import DELTA_RULE_BLOCK
+
+    folder, prompts, _ = hybrid
+    engine = LLM(folder, progress=False, expert_policy="resident", max_num_batched_tokens=100).engine
+    engine.add_request("short", prompts[0], GREEDY)
+    long_prompts = {f"long-{i}": [(7 * i + j) % 400 + 3 for j in range(150)] for i in range(3)}
+    for request_id, prompt in long_prompts.items():
+        engine.add_request(request_id, prompt, GREEDY)
+    ends = set()
+    while engine.has_unfinished():
+        engine.step()
+        ends |= {r.num_computed_tokens for r in engine.requests.values()
+                 if r.request_id in long_prompts and r.num_computed_tokens <= 150}  # fmt: skip
+    assert ends - {0, 150} and all(end % DELTA_RULE_BLOCK == 0 for end in ends - {150}), sorted(ends)

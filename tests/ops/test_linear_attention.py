@@ -169,3 +169,17 @@ def test_packed_prefill_ops_equal_the_chunk_ops_request_by_request():
                           (q, k, v, g, beta, ssm_view, ids, starts, continues))  # fmt: skip
     torch.library.opcheck(torch.ops.rimuru.causal_conv1d_prefill.default,
                           (x, conv_view, ids, starts, continues, weight, None))  # fmt: skip
+
+
+def test_a_prompt_cut_at_the_blocks_rounds_as_if_uncut():
+    """Cut at multiples of DELTA_RULE_BLOCK from its first token (where the scheduler cuts a hybrid's prompts), a
+    prompt's delta rule gives the uncut chunk's outputs and state bit for bit."""
+    q, k, v, g, beta, _ = _delta_inputs(batch=1, tokens=150, seed=3)
+    block = reference.DELTA_RULE_BLOCK
+    results = []
+    for parts in ([(0, 150)], [(0, block), (block, 2 * block), (2 * block, 150)]):
+        ssm_view = torch.zeros(PAGES, HV, DK, DV)
+        outs = [reference.gated_delta_chunk(q[0, a:b], k[0, a:b], v[0, a:b], g[0, a:b], beta[0, a:b], ssm_view, 1,
+                                            continues=a > 0) for a, b in parts]  # fmt: skip
+        results.append((torch.cat(outs), ssm_view[1].clone()))
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
