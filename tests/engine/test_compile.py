@@ -52,3 +52,17 @@ def test_compiled_hybrid_gives_the_eager_tokens(tmp_path):
     _, eager = run(folder, prompts, expert_policy="resident", cuda_graphs=True)
     compiled, tokens = run(folder, prompts, expert_policy="resident", cuda_graphs=True, compile=True)
     assert tokens == eager and not compiled.loaded.model.forward.failed
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_compiled_pass_in_captured_graphs_gives_hugging_face_tokens_on_gpu(family):
+    """fp32 on the GPU: inductor's kernels between the Triton ops, captured in the decode and mixed graphs."""
+    folder, prompts, expected = family
+    options = dict(device="cuda", dtype=torch.float32, compile=True)
+    resident, tokens = run(folder, prompts, expert_policy="resident", **options)
+    assert tokens == expected and resident.runner.num_graph_steps > 0 and not resident.loaded.model.forward.failed
+    budget = budget_for(folder, kv_tokens=60, offload=3, device="cuda", dtype=torch.float32)
+    elastic, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
+                          expert_reads="copy", **options)  # fmt: skip
+    assert tokens == expected and elastic.expert_stats["evictions"] > 0 and not elastic.loaded.model.forward.failed
