@@ -1,7 +1,6 @@
 """The engine with every `rimuru::` op's GPU kernel (Triton, and the GPU paths around it) in place of its CPU one,
-run by the Triton interpreter on CPU tensors in fp32: Hugging Face's greedy tokens, all experts resident and with
-some on the host (read in place by the expert kernel, on the graphs' padded path), for both MoE families and a
-hybrid. It catches what the kernels' own tests cannot: the views, strides and tables the engine hands them.
+run by the Triton interpreter on CPU tensors in fp32: Hugging Face's greedy tokens with some experts on the host
+(read in place by the expert kernel, on the graphs' padded path), for Qwen1.5-MoE and Qwen3.5. It catches what the kernels' own tests cannot: the views, strides and tables the engine hands them.
 
 Run by `test_interpreted_engine.py` in a subprocess with TRITON_INTERPRET=1 (read when a kernel is decorated).
 By hand: `TRITON_INTERPRET=1 python -P -m pytest tests/engine/interp_engine.py`.
@@ -47,10 +46,11 @@ def test_every_op_with_a_gpu_kernel_is_swapped():
             "rimuru::causal_conv1d_step"} <= set(SWAPPED)  # fmt: skip
 
 
+# qwen2_moe: the shared expert's ops beside what every family runs; the fixed offload puts some experts on the host,
+# so the pass reads pages and host memory alike
+@pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)
 def test_gpu_kernels_give_hugging_face_tokens(family):
     folder, prompts, expected = every_other(family)
-    _, tokens = run(folder, prompts, expert_policy="resident")
-    assert tokens == expected
     budget = budget_for(folder, kv_tokens=60, offload=3)
     fixed, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_policy="fixed", offload_per_layer=3,
                         cuda_graphs=True)  # fmt: skip
@@ -60,8 +60,6 @@ def test_gpu_kernels_give_hugging_face_tokens(family):
 @pytest.mark.parametrize("hybrid", ["qwen3_5_moe"], indirect=True)
 def test_gpu_kernels_give_hugging_face_tokens_for_a_hybrid(hybrid):
     folder, prompts, expected = every_other(hybrid)
-    _, tokens = run(folder, prompts, expert_policy="resident")
-    assert tokens == expected
     budget = hybrid_budget(folder, kv_tokens=60, num_states=3, offload=2)
     fixed, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_policy="fixed", offload_per_layer=2,
                         cuda_graphs=True)  # fmt: skip

@@ -66,3 +66,15 @@ def test_compiled_pass_in_captured_graphs_gives_hugging_face_tokens_on_gpu(famil
     elastic, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
                           expert_reads="copy", **options)  # fmt: skip
     assert tokens == expected and elastic.expert_stats["evictions"] > 0 and not elastic.loaded.model.forward.failed
+
+
+def test_compiled_bf16_hybrid_runs_its_fp32_delta_rule_between_graphs(tmp_path):
+    """Qwen3.5 in bf16 keeps its recurrent state in fp32 pages, which aot_autograd cannot take beside the bf16 pool
+    views a pass writes: the delta rule runs between the compiled graphs (`models/qwen3_next.py`) and the compile
+    holds. Its tokens are not compared: inductor's bf16 reductions round unlike eager's (fp32 passes are equal)."""
+    folder = fabricate(tmp_path, arch="qwen3_5_moe")
+    prompts = make_prompts(512)[:5]
+    compiled, tokens = run(folder, prompts, expert_policy="resident", cuda_graphs=True, dtype=torch.bfloat16,
+                           compile=True)  # fmt: skip
+    assert compiled.pool.ssm_view().dtype == torch.float32 != compiled.pool.kv_view().dtype
+    assert not compiled.loaded.model.forward.failed and all(len(t) == len(tokens[0]) > 0 for t in tokens)
