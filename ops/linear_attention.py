@@ -214,7 +214,8 @@ def gated_delta_prefill_fla(q, k, v, g, beta, ssm_view, state_ids, query_start_l
     """The packed batch through flash-linear-attention (its q/k L2 norm, scale Dk^-0.5 and grouped value heads are
     the reference's): each request's state gathered from its page (zero where it starts), written back once."""
     ids = state_ids.long()
-    initial = ssm_view[ids].float() * continues[:, None, None, None]  # [B, Hv, Dk, Dv]
+    # where: a new request's page holds whatever its last owner left, NaN included, which a product by 0 keeps
+    initial = torch.where(continues[:, None, None, None], ssm_view[ids].float(), 0.0)  # [B, Hv, Dk, Dv]
     q, k, v, beta = (x.contiguous()[None] for x in (q, k, v, beta))  # [1, T, H, ...]: one packed sequence batch
     out, final = _fla_chunk_gated_delta_rule()(q, k, v, g.float().contiguous()[None], beta, initial_state=initial,
                                                output_final_state=True, use_qk_l2norm_in_kernel=True,
@@ -232,7 +233,8 @@ def causal_conv1d_prefill_gathered(x, conv_view, state_ids, query_start_loc, con
     keep, starts = width - 1, query_start_loc.long()
     lengths, num_requests = starts.diff(), len(state_ids)
     live = (state_ids >= 0) & (lengths > 0)
-    history = conv_view[state_ids.clamp(min=0).long()].to(x.dtype) * (continues & live)[:, None, None]  # [B, C, W-1]
+    history = conv_view[state_ids.clamp(min=0).long()].to(x.dtype)  # [B, C, W-1]
+    history = torch.where((continues & live)[:, None, None], history, 0.0)  # a page's old bytes may be NaN
     source = torch.cat([x, history.transpose(1, 2).reshape(num_requests * keep, channels)])  # [T + B (W-1), C]
 
     def rows(request, position):  # input `position` of `request` (< 0: from its history) as a row of `source`

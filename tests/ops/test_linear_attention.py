@@ -133,6 +133,20 @@ def _packed_batch(lengths, channels=6, width=4, seed=0):
     return x, conv_view, ids, starts, continues, torch.randn(channels, width, generator=gen)
 
 
+def test_a_new_requests_conv_ignores_the_nan_its_page_held():
+    """A page freed by an expert or an earlier request may hold NaN bit patterns; a request that starts there reads
+    zeros, never the page (a product by zero would keep the NaN)."""
+    from rimuru.ops.linear_attention import causal_conv1d_prefill_gathered
+
+    x, conv_view, ids, starts, continues, weight = _packed_batch([5, 1, 2])
+    conv_view[ids[~continues]] = float("nan")
+    ref_view, view = conv_view.clone(), conv_view.clone()
+    ref = reference.causal_conv1d_prefill(x, ref_view, ids, starts, continues, weight, None)
+    out = causal_conv1d_prefill_gathered(x, view, ids, starts, continues, weight, None)
+    assert not out.isnan().any()
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("lengths", [[1], [5, 1, 2], [3, 7, 1, 4]])
 def test_causal_conv1d_prefill_gathers_what_the_chunks_compute(lengths):
     """The GPU form of the packed conv (`causal_conv1d_prefill_gathered`: no loop over requests) against the
