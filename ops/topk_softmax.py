@@ -3,7 +3,8 @@
 Owns one Triton kernel and its launcher; the reference is `rimuru.ops.reference.topk_softmax`. In torch the three
 take a softmax kernel and `topk`'s two (a radix select and a sort) in every MoE layer of a step. One program takes
 BLOCK_T tokens' fp32 logits [BLOCK_T, E]: the softmax in fp32, then K rounds that take each row's largest weight
-(the lowest expert id on a tie) and strike it out, so the ids come best first, as `torch.topk` returns them.
+(the lowest expert id on a tie) and strike it out, so the ids come best first, as `torch.topk` returns them. A row
+of NaN logits (garbage upstream) gets garbage weights but ids in range, so the MoE kernels never index past a table.
 """
 
 import torch
@@ -34,6 +35,7 @@ def _topk_softmax_kernel(p_logits, p_ids, p_weights, num_tokens, num_experts, st
     for k in tl.static_range(TOP_K):
         b_best = tl.max(b_p, 1)  # [BT]
         b_id = tl.min(tl.where(b_p == b_best[:, None], o_e[None, :], BLOCK_E), 1)  # [BT] lowest id on a tie
+        b_id = tl.minimum(b_id, num_experts - 1)  # a NaN row matches no expert: an id in range, never past the tables
         b_ids = tl.where(o_k == k, b_id[:, None].to(tl.int64), b_ids)
         b_w = tl.where(o_k == k, b_best[:, None], b_w)
         b_p = tl.where(o_e[None, :] == b_id[:, None], -1.0, b_p)

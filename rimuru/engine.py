@@ -24,7 +24,7 @@ from rimuru.expert_placement import check_budget, initial_offload, least_offload
 from rimuru.expert_ranking import find_ranking
 from rimuru.expert_store import ExpertStore
 from rimuru.kv_cache import KVCacheManager
-from rimuru.kv_swap import KVSwap
+from rimuru.kv_swap import KVSwap, swap_views
 from rimuru.linear_state_cache import LinearStateCache
 from rimuru.memory import KV, MemoryPool, PageAllocator, fitting_page_tokens, page_sizes_for_model
 from rimuru.memory_plan import estimated_reserve, plan_memory
@@ -105,10 +105,11 @@ class Engine:
         self._log_start_up()
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        # by recompute: a hybrid's state is not a copy of its tokens, and other ranks' KV pages would not come back
-        swapping = config.preemption == "swap" and not linear_layers and not self.workers
-        swap = KVSwap(self.kv_cache, self.pool.kv_view(), self.pool.num_bytes) if swapping else None
         self.states = LinearStateCache(self.allocator, linear_layers) if linear_layers else None
+        swap = None
+        if config.preemption == "swap":
+            swap = KVSwap(self.kv_cache, swap_views(self.pool, linear_layers > 0), self.pool.num_bytes, self.states)
+            swap.log = self.experts.copy_log  # the other ranks repeat each swap in order with the expert copies
         self.scheduler = Scheduler(scheduler_config, self.kv_cache, self._reclaimable_expert_pages, swap, self.states)
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
                                   graphs, self.states, state_views)  # fmt: skip

@@ -51,9 +51,14 @@ class LinearStateCache:
         return True
 
     def free(self, request_id: str) -> None:
-        """Give a finished or preempted request's state pages back (a preempted request recomputes its state)."""
+        """Give a finished or preempted request's state pages back (a preempted one recomputes its state or had it saved, `KVSwap`)."""
         del self._pages[request_id]
         self.allocator.free(self._owner(request_id))
+
+    def page_ids(self, request_id: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(SSM page ids, conv page ids) of one request, in layer order."""
+        ssm, conv = self._pages[request_id]
+        return torch.tensor(ssm), torch.tensor(conv)
 
     def state_tables(self, request_ids: list[str], device: torch.device | str = "cpu"):
         """([L, B] SSM page ids, [L, B] conv page ids) of a batch: row l is what layer l's kernels index."""

@@ -14,7 +14,7 @@ this round out instead of being preempted: the evicted experts' pages serve it n
 
 A hybrid model's request also holds its linear-attention state (`LinearStateCache`): taken whole at admission,
 before its KV, counted in the admission forecast and in the round's shortfall, and given back when it finishes or is
-preempted (always by recompute: its state is not a copy of its tokens, so it is rebuilt from them).
+preempted (a `KVSwap` saves the state pages with the KV pages; a recompute rebuilds the state from its tokens).
 """
 
 import time
@@ -167,9 +167,9 @@ class Scheduler:
 
     def _preempt(self, request: Request, batch: ScheduledBatch) -> None:
         if self.swap is None or not self.swap.save(request):
-            self.kv_cache.free(request.request_id)
-            self._free_state(request)
             request.num_computed_tokens = 0
+        self.kv_cache.free(request.request_id)
+        self._free_state(request)
         request.status = RequestStatus.WAITING
         request.num_preemptions += 1
         self.num_preemptions += 1

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rimuru.kv_swap import HostPages, PageSwap, swap_views
 from rimuru.memory import MemoryPool, page_sizes_for_model
 from rimuru.models import ForwardContext, from_pretrained, parallel
 
@@ -33,7 +34,8 @@ def timeout_s() -> float:
 class StepMessage:
     """What every rank needs for one pass, as host tensors; `stop` ends a worker."""
 
-    copies: list[tuple[int, int, list[int]]] = field(default_factory=list)  # (layer, expert, its three page ids)
+    # in rank 0's order: (layer, expert, its three page ids) for an expert copy, a `PageSwap` for a preemption's
+    copies: list = field(default_factory=list)
     input_ids: torch.Tensor | None = None  # [T]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the ForwardContext's tensors
     decode_only: bool = False  # a hybrid's `ForwardContext.decode_only`
@@ -104,6 +106,7 @@ class Worker:
         linear = bool(loaded.config.linear_layer_ids)  # a hybrid's state pages: (SSM view, conv view)
         self.state_views = {"ssm_view": self.pool.ssm_view(), "conv_view": self.pool.conv_view()} if linear else {}
         self.host_experts = {layer: (w.gate, w.up, w.down) for layer, w in self.experts.items()}
+        self.host_pages = HostPages(swap_views(self.pool, linear))  # this rank's halves of preempted requests' pages
         self.device = device
 
     def serve(self) -> None:
@@ -113,7 +116,11 @@ class Worker:
                 self.forward(message)
 
     def copy(self, copies) -> None:
-        for layer, expert, page_ids in copies:
+        for entry in copies:
+            if isinstance(entry, PageSwap):
+                self.host_pages.apply(entry)
+                continue
+            layer, expert, page_ids = entry
             for page, matrix in zip(page_ids, self.experts[layer].matrices(expert)):
                 self.expert_view[page].copy_(matrix.reshape(-1), non_blocking=True)
 

@@ -68,14 +68,18 @@ def test_hybrid_prompt_chunks_carry_the_state_exactly(hybrid):
     assert engine.num_steps > sum(-(-len(p) // 8) for p in prompts) // 4  # prompts took several steps
 
 
-def test_hybrid_preemption_recomputes_the_state(hybrid, monkeypatch):
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_hybrid_preemption_keeps_the_state(hybrid, monkeypatch, preemption):
     """Admitted on today's pages, the batch outgrows a pool with room for two states: preempted requests give
-    their state back and rebuild it from their tokens."""
+    their state back, copied to the host with their KV and back into fresh pages, or rebuilt from their tokens."""
     folder, prompts, expected = hybrid
     expect_no_growth(monkeypatch)
     budget = hybrid_budget(folder, kv_tokens=48, num_states=2, offload=0)
-    engine, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_policy="resident")
+    engine, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_policy="resident",
+                              preemption=preemption)  # fmt: skip
+    swap = engine.scheduler.swap
     assert engine.scheduler.num_preemptions > 0
+    assert (swap.num_saved > 0 and swap.saved_bytes == 0) if preemption == "swap" else swap is None
     assert tokens == expected
 
 

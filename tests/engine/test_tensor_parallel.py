@@ -25,7 +25,8 @@ def generate(folder, prompts, **options):
         engine = llm.engine
         engine.allocator.check_integrity()
         facts = engine.expert_stats | {"offloaded": engine.experts.num_offloaded,
-                                       "preemptions": engine.scheduler.num_preemptions}  # fmt: skip
+                                       "preemptions": engine.scheduler.num_preemptions,
+                                       "swapped": engine.scheduler.swap.num_saved if engine.scheduler.swap else 0}  # fmt: skip
     return facts, tokens
 
 
@@ -41,7 +42,7 @@ def test_two_ranks_give_hugging_faces_tokens_under_every_policy(family, monkeypa
     expect_no_growth(monkeypatch)
     squeezed, tokens = generate(folder, prompts, gpu_memory_budget=budget_for(folder, 24, 0, **TP),
                                 expert_offload_limit=1)  # fmt: skip
-    assert tokens == expected and squeezed["preemptions"] > 0
+    assert tokens == expected and squeezed["preemptions"] > 0 and squeezed["swapped"] > 0  # each rank's KV saved
 
 
 def test_a_rank_that_dies_fails_the_next_step_in_one_line(family):
@@ -85,13 +86,15 @@ def test_a_rank_that_hangs_fails_the_next_step_within_the_timeout(family, monkey
 
 def test_two_ranks_serve_a_hybrid_model_with_its_state_split_by_head(tmp_path, monkeypatch):
     """Qwen3-Next on two ranks: each holds its linear-attention heads' state pages; Hugging Face's tokens with all
-    experts resident and through preemption (the state rebuilt on every rank)."""
+    experts resident and through preemption (every rank's state saved with its KV, or rebuilt)."""
     folder = fabricate(tmp_path / "qwen3_next", arch="qwen3_next")
     prompts = make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)
     expected = hf_greedy(folder, prompts, MAX_TOKENS)
     _, tokens = generate(folder, prompts, expert_policy="resident")
     assert tokens == expected
     expect_no_growth(monkeypatch)
-    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0, **TP),
-                                expert_policy="resident")  # fmt: skip
-    assert tokens == expected and squeezed["preemptions"] > 0
+    for preemption in ("swap", "recompute"):
+        squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0, **TP),
+                                    expert_policy="resident", preemption=preemption)  # fmt: skip
+        assert tokens == expected and squeezed["preemptions"] > 0
+        assert (squeezed["swapped"] > 0) == (preemption == "swap")

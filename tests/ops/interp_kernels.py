@@ -401,6 +401,18 @@ def test_topk_softmax(num_tokens, num_experts, top_k, renormalize):
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
 
 
+def test_topk_softmax_keeps_the_ids_of_a_nan_row_in_range():
+    """NaN logits (a state page's garbage upstream) must not become expert id E, which the MoE kernels would read
+    past their tables with: the row's ids stay below E, the other rows are untouched."""
+    logits = torch.randn(3, 60, generator=torch.Generator().manual_seed(0))
+    logits[1] = float("nan")
+    ids, weights = topk_softmax_triton(logits, 4, True)
+    ref_ids, ref_weights = reference.topk_softmax(logits[[0, 2]], 4, True)
+    assert ((ids >= 0) & (ids < 60)).all()
+    assert torch.equal(ids[[0, 2]], ref_ids)
+    torch.testing.assert_close(weights[[0, 2]], ref_weights, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("num_tokens,top_k,hidden_size,block_d", [(1, 1, 72, 1024), (3, 8, 2048, 1024),
                                                                    (5, 3, 1000, 256), (130, 4, 72, 32), (7, 6, 33, 16)])
 def test_topk_sum(num_tokens, top_k, hidden_size, block_d):
