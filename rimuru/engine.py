@@ -38,14 +38,23 @@ from rimuru.request import Request
 from rimuru.sampler import Sampler
 from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
-from rimuru.step_graphs import capture_step_graphs, graph_limits, graphs_wanted, reserve_scratch_page
+from rimuru.step_graphs import (
+    capture_step_graphs,
+    graph_batch_sizes,
+    graph_limits,
+    graphs_wanted,
+    mixed_token_sizes,
+    reserve_scratch_page,
+)
 from rimuru.stop import StopChecker
 from rimuru.tensor_parallel import (
     StepMessage,
     broadcast,
+    graph_setup_message,
     init_rank,
     message_for,
     rendezvous_path,
+    replay_message,
     start_workers,
     timeout_s,
 )
@@ -85,7 +94,8 @@ class Engine:
         if config.compile:  # before the memory profile: it and the graphs' warm-ups run the compiled pass
             compile_forward(self.loaded.model, self.model_config.num_hidden_layers)
         self.step_memory = None  # what a step takes outside the pool, where profiled (`rimuru.memory_profile`)
-        wants_graphs = graphs_wanted(config.cuda_graphs, self.device) and not self.workers
+        # tensor parallel ranks replay graphs when asked (their captured all-reduces not yet run on GPUs)
+        wants_graphs = graphs_wanted(config.cuda_graphs, self.device) and (config.cuda_graphs or not self.workers)
         self._build_pool(wants_graphs)
         if self.workers:  # every rank's pool is rank 0's size: the same page ids everywhere
             self._broadcast(StepMessage(tensors={"pool_bytes": torch.tensor(self.pool.num_bytes)}))
@@ -96,10 +106,13 @@ class Engine:
                                        config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
         linear_layers = len(self.model_config.linear_layer_ids)
         state_views = (self.pool.ssm_view(), self.pool.conv_view()) if linear_layers else None
+        if self.workers and wants_graphs:
+            self._start_worker_graphs(scratch_page)
+        # a capture that fails part-way leaves the other ranks' captures waiting: under tensor parallelism it stops
+        explicit = True if self.workers else config.cuda_graphs
         graphs = capture_step_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
                                      self.kv_cache.device_tables, scratch_page, config.max_num_seqs,
-                                     config.cuda_graphs, config.progress, self._mixed_graph_tokens,
-                                     state_views)  # fmt: skip
+                                     explicit, config.progress, self._mixed_graph_tokens, state_views)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         self.kv_tokens_at_start = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV))
         self._log_start_up()
@@ -114,7 +127,7 @@ class Engine:
         self.runner = ModelRunner(self.loaded.model, self.kv_cache, self.pool.kv_view(), self.expert_manager,
                                   graphs, self.states, state_views)  # fmt: skip
         if self.workers:
-            self.runner.before_pass = self._send_pass
+            self.runner.before_pass, self.runner.before_replay = self._send_pass, self._send_replay
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
         self.tokenizer = load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, eos_token_ids(folder, self.model_config))
@@ -140,6 +153,19 @@ class Engine:
     def _send_pass(self, input_ids: torch.Tensor, ctx) -> None:
         """Every rank's pass: the expert copies since the last one, then this pass's inputs and page tables."""
         self._broadcast(message_for(self.experts.copy_log, input_ids, ctx))
+        self.experts.copy_log.clear()
+
+    def _send_replay(self, inputs, shape, table_rows, expert_tables) -> None:
+        """Every rank's replay of a captured step: the expert copies since the last pass, then the step."""
+        self._broadcast(replay_message(self.experts.copy_log, inputs, shape, table_rows, expert_tables))
+        self.experts.copy_log.clear()
+
+    def _start_worker_graphs(self, scratch_page: int) -> None:
+        """The other ranks capture the step graphs rank 0 is about to capture, with the experts placed so far."""
+        tables = self.expert_manager.pass_routing(fixed_tables=True)[0]
+        sizes, mixed = graph_batch_sizes(self.config.max_num_seqs), mixed_token_sizes(self._mixed_graph_tokens)
+        self._broadcast(graph_setup_message(self.experts.copy_log, self.kv_cache.device_tables, tables, scratch_page,
+                                            sizes, mixed))  # fmt: skip
         self.experts.copy_log.clear()
 
     def _broadcast(self, message: StepMessage) -> None:

@@ -83,17 +83,19 @@ class KVCacheManager:
         if self.device_tables is not None:
             self._stale_slots.add(slot)
 
-    def sync_device(self) -> None:
+    def sync_device(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Copy the rows of the slots changed since the last call to the device tables: one gather of whole rows
         (contiguous runs of P, which gather faster than rows cut to the pages in use) and one transfer. The pass
-        that reads them must come after."""
+        that reads them must come after. Returns (slots [S], rows [L, S, P]) as copied (tensor parallel ranks copy
+        them into theirs), None when nothing changed."""
         if not self._stale_slots:
-            return
+            return None
         slots = torch.tensor(sorted(self._stale_slots), dtype=torch.int64)
         self._stale_slots.clear()
         rows = self.tables.index_select(1, slots)  # [L, stale slots, P]
         device = self.device_tables.device
         self.device_tables.index_copy_(1, slots.to(device), rows.to(device))
+        return slots, rows
 
     def tokens_in(self, num_small_pages: int) -> int:
         """Tokens one request can store in every layer with `num_small_pages` KV pages."""

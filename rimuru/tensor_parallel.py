@@ -5,8 +5,10 @@ and geometry, and does what rank 0 tells it each step (docs/architecture.md, Ten
 Rank 0 owns every decision, so the page tables agree by construction: each step it broadcasts one `StepMessage`,
 the expert copies since the last one (layer, expert, page ids: each rank copies its own slice of that expert into
 the same pages) and the pass's inputs with every page table it reads. Each rank then runs the same forward pass,
-whose all-reduces meet; only rank 0 samples. Expert reads are direct (a host expert is read where it lies, by
-every rank from its own pinned slices), so no routing hook acts mid-pass. A rank that dies fails rank 0's next
+whose all-reduces meet; only rank 0 samples. With CUDA graphs every rank captures the same shapes in the same
+order and replays the one rank 0 replays, from mirrors of its KV and expert tables that each step's message
+updates. Expert reads are direct (a host expert is read where it lies, by every rank from its own pinned slices),
+so no routing hook acts mid-pass. A rank that dies fails rank 0's next
 collective at once, one that hangs after `timeout_s()`: never a silent hang.
 """
 
@@ -22,6 +24,7 @@ import torch.multiprocessing as mp
 from rimuru.kv_swap import HostPages, PageSwap, swap_views
 from rimuru.memory import MemoryPool, page_sizes_for_model
 from rimuru.models import ForwardContext, from_pretrained, parallel
+from rimuru.step_graphs import StepGraphs
 
 logger = logging.getLogger("rimuru")
 
@@ -39,6 +42,9 @@ class StepMessage:
     input_ids: torch.Tensor | None = None  # [T]
     tensors: dict[str, torch.Tensor] = field(default_factory=dict)  # the ForwardContext's tensors
     decode_only: bool = False  # a hybrid's `ForwardContext.decode_only`
+    step: object = None  # a replayed step's `StepInputs` (its `tensors`: the KV table rows synced, expert tables)
+    shape: object = None  # the captured `Shape` it replays
+    graph_sizes: tuple[list[int], list[int]] | None = None  # capture the step graphs: (decode sizes, mixed sizes)
     stop: bool = False
 
 
@@ -50,6 +56,22 @@ CONTEXT_TENSORS = ("positions", "query_start_loc", "seq_lens", "kv_page_tables",
 def message_for(copies, input_ids: torch.Tensor, ctx: ForwardContext) -> StepMessage:
     tensors = {name: getattr(ctx, name).cpu() for name in CONTEXT_TENSORS if getattr(ctx, name) is not None}
     return StepMessage(list(copies), input_ids.cpu(), tensors, ctx.decode_only)
+
+
+def replay_message(copies, inputs, shape, table_rows, expert_tables: torch.Tensor) -> StepMessage:
+    """A replayed step for the other ranks: its inputs and shape, the KV table rows synced since the last replay
+    (None: none), the expert tables its kernels read."""
+    tensors = {"expert_tables": expert_tables.cpu()}
+    if table_rows is not None:
+        tensors["table_slots"], tensors["table_rows"] = table_rows
+    return StepMessage(list(copies), tensors=tensors, step=inputs, shape=shape)
+
+
+def graph_setup_message(copies, kv_tables: torch.Tensor, expert_tables: torch.Tensor, scratch_page: int,
+                        sizes: list[int], mixed_sizes: list[int]) -> StepMessage:  # fmt: skip
+    """Every rank captures the same step graphs, in the same order (their warm-ups' all-reduces meet)."""
+    tensors = {"kv_tables": kv_tables.cpu(), "expert_tables": expert_tables.cpu(), "scratch_page": torch.tensor(scratch_page)}
+    return StepMessage(list(copies), tensors=tensors, graph_sizes=(sizes, mixed_sizes))
 
 
 def broadcast(message: StepMessage | None) -> StepMessage:
@@ -108,12 +130,38 @@ class Worker:
         self.host_experts = {layer: (w.gate, w.up, w.down) for layer, w in self.experts.items()}
         self.host_pages = HostPages(swap_views(self.pool, linear))  # this rank's halves of preempted requests' pages
         self.device = device
+        self.graphs: StepGraphs | None = None
 
     def serve(self) -> None:
         while not self.stopped and not (message := broadcast(None)).stop:
             self.copy(message.copies)
-            if message.input_ids is not None:
+            if message.graph_sizes is not None:
+                self.capture(message)
+            elif message.shape is not None:
+                self.replay(message)
+            elif message.input_ids is not None:
                 self.forward(message)
+
+    def capture(self, message: StepMessage) -> None:
+        """Rank 0's step graphs over this rank's pool, reading mirrors of its KV and expert tables."""
+        tensors = message.tensors
+        self.kv_tables = tensors["kv_tables"].to(self.device)
+        self.expert_tables = tensors["expert_tables"].to(self.device)
+        states = (self.state_views["ssm_view"], self.state_views["conv_view"]) if self.state_views else None
+        sizes, mixed = message.graph_sizes
+        self.graphs = StepGraphs(self.model, self.kv_view, self.expert_view, self.expert_tables, self.kv_tables,
+                                 int(tensors["scratch_page"]), sizes, capture=self.device.type == "cuda",
+                                 host_experts=self.host_experts, mixed_sizes=mixed, keep_router_inputs=False,
+                                 state_views=states)  # fmt: skip
+        self.graphs.capture_all()
+
+    @torch.inference_mode()
+    def replay(self, message: StepMessage) -> None:
+        tensors = message.tensors
+        if "table_slots" in tensors:
+            self.kv_tables.index_copy_(1, tensors["table_slots"].to(self.device), tensors["table_rows"].to(self.device))
+        self.expert_tables.copy_(tensors["expert_tables"], non_blocking=True)
+        self.graphs.run(message.step, None, message.shape)
 
     def copy(self, copies) -> None:
         for entry in copies:

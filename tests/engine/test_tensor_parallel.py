@@ -26,7 +26,8 @@ def generate(folder, prompts, **options):
         engine.allocator.check_integrity()
         facts = engine.expert_stats | {"offloaded": engine.experts.num_offloaded,
                                        "preemptions": engine.scheduler.num_preemptions,
-                                       "swapped": engine.scheduler.swap.num_saved if engine.scheduler.swap else 0}  # fmt: skip
+                                       "swapped": engine.scheduler.swap.num_saved if engine.scheduler.swap else 0,
+                                       "graph_steps": engine.runner.num_graph_steps}  # fmt: skip
     return facts, tokens
 
 
@@ -45,6 +46,22 @@ def test_two_ranks_give_hugging_faces_tokens_under_every_policy(family, monkeypa
     assert tokens == expected and squeezed["preemptions"] > 0 and squeezed["swapped"] > 0  # each rank's KV saved
 
 
+def test_two_ranks_replay_the_step_graphs(family, monkeypatch):
+    """cuda_graphs on the CPU (the graph path over the static, padded buffers): each rank replays the same captured
+    shape from mirrors of rank 0's KV and expert tables, the table rows synced and the expert copies made since the
+    last step coming in the step's message; Hugging Face's tokens under the elastic pool and through preemption."""
+    folder, prompts, expected = family
+    graphs = dict(cuda_graphs=True, max_num_seqs=8)
+    budget = budget_for(folder, kv_tokens=60, offload=3, **TP, **graphs)
+    elastic, tokens = generate(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
+                               **graphs)  # fmt: skip
+    assert tokens == expected and elastic["evictions"] > 0 and elastic["graph_steps"] > 0
+    expect_no_growth(monkeypatch)
+    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=budget_for(folder, 24, 0, **TP, **graphs),
+                                expert_offload_limit=1, **graphs)  # fmt: skip
+    assert tokens == expected and squeezed["swapped"] > 0 and squeezed["graph_steps"] > 0
+
+
 def test_a_rank_that_dies_fails_the_next_step_in_one_line(family):
     folder, prompts, _ = family
     llm = LLM(folder, progress=False, **TP)
@@ -60,8 +77,6 @@ def test_what_tensor_parallelism_cannot_do_yet_is_refused_in_one_line(family):
     folder = family[0]
     with pytest.raises(ValueError, match="^tensor_parallel_size 2 reads host experts in place only"):
         LLM(folder, progress=False, expert_reads="copy", **TP)
-    with pytest.raises(ValueError, match="^tensor_parallel_size 2 runs steps eagerly"):
-        LLM(folder, progress=False, cuda_graphs=True, **TP)
     with pytest.raises(ValueError, match="^gpu_memory_budget"):  # refused after the other ranks started
         LLM(folder, progress=False, gpu_memory_budget="64KiB", **TP)
     LLM(folder, progress=False, **TP).close()  # which left no rank and no process group behind
@@ -86,12 +101,12 @@ def test_a_rank_that_hangs_fails_the_next_step_within_the_timeout(family, monkey
 
 def test_two_ranks_serve_a_hybrid_model_with_its_state_split_by_head(tmp_path, monkeypatch):
     """Qwen3-Next on two ranks: each holds its linear-attention heads' state pages; Hugging Face's tokens with all
-    experts resident and through preemption (every rank's state saved with its KV, or rebuilt)."""
+    experts resident (steps replayed) and through preemption (every rank's state saved with its KV, or rebuilt)."""
     folder = fabricate(tmp_path / "qwen3_next", arch="qwen3_next")
     prompts = make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)
     expected = hf_greedy(folder, prompts, MAX_TOKENS)
-    _, tokens = generate(folder, prompts, expert_policy="resident")
-    assert tokens == expected
+    replayed, tokens = generate(folder, prompts, expert_policy="resident", cuda_graphs=True, max_num_seqs=8)
+    assert tokens == expected and replayed["graph_steps"] > 0  # every rank's state tables in the step's inputs
     expect_no_growth(monkeypatch)
     for preemption in ("swap", "recompute"):
         squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0, **TP),
