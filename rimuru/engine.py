@@ -50,6 +50,8 @@ from rimuru.stop import StopChecker
 from rimuru.tensor_parallel import (
     StepMessage,
     broadcast,
+    check_message,
+    gather_problems,
     graph_setup_message,
     init_rank,
     message_for,
@@ -159,6 +161,19 @@ class Engine:
         """Every rank's replay of a captured step: the expert copies since the last pass, then the step."""
         self._broadcast(replay_message(self.experts.copy_log, inputs, shape, table_rows, expert_tables))
         self.experts.copy_log.clear()
+
+    def check_rank_tables(self) -> None:
+        """Debug: every rank's expert pages hold the experts rank 0's tables place there, and its graphs' mirrors
+        equal rank 0's tables; AssertionError naming the differences. A no-op on one rank."""
+        if not self.workers:
+            return
+        graphs = self.runner.graphs is not None
+        working = self.expert_manager.loader.working_tables
+        kv_tables = self.kv_cache.device_tables if graphs else None
+        self._broadcast(check_message(self.experts.copy_log, self.experts.host_tables, working, kv_tables))
+        self.experts.copy_log.clear()
+        problems = [f"rank {rank}: {p}" for rank, found in enumerate(gather_problems([])) for p in found]
+        assert not problems, "tensor parallel ranks disagree: " + "; ".join(problems[:5])
 
     def _start_worker_graphs(self, scratch_page: int) -> None:
         """The other ranks capture the step graphs rank 0 is about to capture, with the experts placed so far."""

@@ -45,6 +45,7 @@ class StepMessage:
     step: object = None  # a replayed step's `StepInputs` (its `tensors`: the KV table rows synced, expert tables)
     shape: object = None  # the captured `Shape` it replays
     graph_sizes: tuple[list[int], list[int]] | None = None  # capture the step graphs: (decode sizes, mixed sizes)
+    check: bool = False  # compare the ranks' tables (`check_message`) instead of a pass
     stop: bool = False
 
 
@@ -72,6 +73,34 @@ def graph_setup_message(copies, kv_tables: torch.Tensor, expert_tables: torch.Te
     """Every rank captures the same step graphs, in the same order (their warm-ups' all-reduces meet)."""
     tensors = {"kv_tables": kv_tables.cpu(), "expert_tables": expert_tables.cpu(), "scratch_page": torch.tensor(scratch_page)}
     return StepMessage(list(copies), tensors=tensors, graph_sizes=(sizes, mixed_sizes))
+
+
+def check_message(copies, expert_tables: torch.Tensor, working_tables: torch.Tensor,
+                  kv_tables: torch.Tensor | None) -> StepMessage:  # fmt: skip
+    """Rank 0's tables for every rank to compare with its own (`Worker.table_mismatches`): the experts' pages
+    now, and what its graphs read (the working tables, the device KV tables; None without graphs)."""
+    tensors = {"expert_tables": expert_tables.cpu(), "working_tables": working_tables.cpu()}
+    if kv_tables is not None:
+        tensors["kv_tables"] = kv_tables.cpu()
+    return StepMessage(list(copies), tensors=tensors, check=True)
+
+
+def expert_page_mismatches(expert_tables: torch.Tensor, page_owner: dict[int, tuple[int, int]]) -> list[str]:
+    """Where rank 0's tables ([L, E, 3] page ids, -1 on the host) place an expert in pages this rank's last copies
+    into them were not of that expert."""
+    problems = []
+    for layer, expert in (expert_tables[..., 0] >= 0).nonzero().tolist():
+        for page in expert_tables[layer, expert].tolist():
+            if page_owner.get(page) != (layer, expert):
+                problems.append(f"page {page} holds {page_owner.get(page)} here, expert {(layer, expert)} on rank 0")
+    return problems
+
+
+def gather_problems(problems: list[str]) -> list[list[str]]:
+    """Every rank's list of problems, by rank."""
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, problems)
+    return out
 
 
 def broadcast(message: StepMessage | None) -> StepMessage:
@@ -131,11 +160,14 @@ class Worker:
         self.host_pages = HostPages(swap_views(self.pool, linear))  # this rank's halves of preempted requests' pages
         self.device = device
         self.graphs: StepGraphs | None = None
+        self.page_owner: dict[int, tuple[int, int]] = {}  # expert page -> the (layer, expert) last copied into it
 
     def serve(self) -> None:
         while not self.stopped and not (message := broadcast(None)).stop:
             self.copy(message.copies)
-            if message.graph_sizes is not None:
+            if message.check:
+                gather_problems(self.table_mismatches(message.tensors))
+            elif message.graph_sizes is not None:
                 self.capture(message)
             elif message.shape is not None:
                 self.replay(message)
@@ -155,6 +187,16 @@ class Worker:
                                  state_views=states)  # fmt: skip
         self.graphs.capture_all()
 
+    def table_mismatches(self, tensors: dict[str, torch.Tensor]) -> list[str]:
+        """How this rank's pages and its graphs' table mirrors differ from rank 0's tables (empty: they agree)."""
+        problems = expert_page_mismatches(tensors["expert_tables"], self.page_owner)
+        if self.graphs is not None:
+            if not torch.equal(self.expert_tables.cpu(), tensors["working_tables"]):
+                problems.append("the graphs' expert tables differ from rank 0's")
+            if not torch.equal(self.kv_tables.cpu(), tensors["kv_tables"]):
+                problems.append("the graphs' KV tables differ from rank 0's")
+        return problems
+
     @torch.inference_mode()
     def replay(self, message: StepMessage) -> None:
         tensors = message.tensors
@@ -169,6 +211,7 @@ class Worker:
                 self.host_pages.apply(entry)
                 continue
             layer, expert, page_ids = entry
+            self.page_owner |= dict.fromkeys(page_ids, (layer, expert))
             for page, matrix in zip(page_ids, self.experts[layer].matrices(expert)):
                 self.expert_view[page].copy_(matrix.reshape(-1), non_blocking=True)
 

@@ -7,10 +7,12 @@ import signal
 import time
 
 import pytest
+import torch
 import transformers
 
 from rimuru import LLM
 from rimuru.models import fabricate
+from rimuru.tensor_parallel import expert_page_mismatches
 from tests.engine.conftest import MAX_TOKENS, expect_no_growth, hf_greedy, make_prompts
 from tests.engine.test_experts import GREEDY, budget_for
 from tests.engine.test_hybrid import hybrid_budget
@@ -24,6 +26,7 @@ def generate(folder, prompts, **options):
         tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
         engine = llm.engine
         engine.allocator.check_integrity()
+        engine.check_rank_tables()  # after the run's evictions and additions: rank 1's pages and mirrors agree
         facts = engine.expert_stats | {"offloaded": engine.experts.num_offloaded,
                                        "preemptions": engine.scheduler.num_preemptions,
                                        "swapped": engine.scheduler.swap.num_saved if engine.scheduler.swap else 0,
@@ -60,6 +63,14 @@ def test_two_ranks_replay_the_step_graphs(family, monkeypatch):
     squeezed, tokens = generate(folder, prompts, gpu_memory_budget=budget_for(folder, 24, 0, **TP, **graphs),
                                 expert_offload_limit=1, **graphs)  # fmt: skip
     assert tokens == expected and squeezed["swapped"] > 0 and squeezed["graph_steps"] > 0
+
+
+def test_the_page_check_names_an_expert_page_a_rank_did_not_copy():
+    tables = torch.full((2, 3, 3), -1, dtype=torch.int32)
+    tables[1, 2] = torch.tensor([7, 8, 9])  # layer 1's expert 2 in pages 7-9 on rank 0
+    assert expert_page_mismatches(tables, dict.fromkeys([7, 8, 9], (1, 2))) == []
+    owners = dict.fromkeys([7, 8], (1, 2)) | {9: (0, 1)}  # the rank's last copy into page 9 was another expert's
+    assert expert_page_mismatches(tables, owners) == ["page 9 holds (0, 1) here, expert (1, 2) on rank 0"]
 
 
 def test_a_rank_that_dies_fails_the_next_step_in_one_line(family):
