@@ -146,6 +146,10 @@ class Worker:
         loaded = from_pretrained(config.model, device, config.dtype, config.load_format, config.router_skew, False,
                                  config.seed, config.router_regimes)  # fmt: skip
         self.model, self.experts = loaded.model, loaded.experts
+        if config.compile:  # rank 0's compiled pass: the same all-reduces, traced as functional collectives
+            from rimuru.compilation import compile_forward
+
+            compile_forward(self.model, loaded.config.num_hidden_layers)
         first = broadcast(None)  # the pool's size, or a stop: rank 0 could not start
         self.stopped = first.stop
         if self.stopped:

@@ -65,6 +65,19 @@ def test_two_ranks_replay_the_step_graphs(family, monkeypatch):
     assert tokens == expected and squeezed["swapped"] > 0 and squeezed["graph_steps"] > 0
 
 
+def test_two_ranks_replay_the_compiled_pass(tmp_path):
+    """compile=True on two ranks (each compiles its shard's pass, the all-reduces traced as functional collectives),
+    replayed on the graph path: Hugging Face's tokens."""
+    folder = fabricate(tmp_path / "qwen3_moe", arch="qwen3_moe")
+    prompts = make_prompts(transformers.AutoConfig.from_pretrained(folder).vocab_size)
+    with LLM(folder, progress=False, expert_policy="resident", compile=True, cuda_graphs=True, max_num_seqs=8,
+             **TP) as llm:  # fmt: skip
+        tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+        compiled = llm.engine.loaded.model.forward
+        assert not compiled.failed and compiled.num_calls > 0 and llm.engine.runner.num_graph_steps > 0
+    assert tokens == hf_greedy(folder, prompts, MAX_TOKENS)
+
+
 def test_the_page_check_names_an_expert_page_a_rank_did_not_copy():
     tables = torch.full((2, 3, 3), -1, dtype=torch.int32)
     tables[1, 2] = torch.tensor([7, 8, 9])  # layer 1's expert 2 in pages 7-9 on rank 0
