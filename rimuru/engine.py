@@ -110,11 +110,11 @@ class Engine:
         state_views = (self.pool.ssm_view(), self.pool.conv_view()) if linear_layers else None
         if self.workers and wants_graphs:
             self._start_worker_graphs(scratch_page)
-        # a capture that fails part-way leaves the other ranks' captures waiting: under tensor parallelism it stops
-        explicit = True if self.workers else config.cuda_graphs
+        # tensor parallel graphs are only ever asked for, so a failed capture raises instead of leaving ranks waiting
         graphs = capture_step_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
                                      self.kv_cache.device_tables, scratch_page, config.max_num_seqs,
-                                     explicit, config.progress, self._mixed_graph_tokens, state_views)  # fmt: skip
+                                     config.cuda_graphs, config.progress, self._mixed_graph_tokens,
+                                     state_views)  # fmt: skip
         self._fit_max_model_len(requested_max_model_len)
         self.kv_tokens_at_start = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV))
         self._log_start_up()

@@ -51,7 +51,8 @@ class LinearStateCache:
         return True
 
     def free(self, request_id: str) -> None:
-        """Give a finished or preempted request's state pages back (a preempted one recomputes its state or had it saved, `KVSwap`)."""
+        """Give a finished or preempted request's state pages back (a preempted one had them saved by `KVSwap`, or
+        recomputes its state)."""
         del self._pages[request_id]
         self.allocator.free(self._owner(request_id))
 

@@ -54,7 +54,7 @@ class ModelRunner:
         self.graphs = graphs
         self.states, self.state_views = states, state_views  # a hybrid model's state pages: (SSM view, conv view)
         self.before_pass = None  # called with an eager pass's (input ids, context): tensor parallel ranks get them
-        self.before_replay = None  # called with a replay's (inputs, shape, KV table rows synced, expert tables): the same
+        self.before_replay = None  # a replay's (inputs, shape, KV table rows synced, expert tables): the same
         self.device = kv_view.device
         self.num_graph_steps = 0  # steps run as graph replays
 
@@ -66,7 +66,8 @@ class ModelRunner:
         if shape is not None:
             table_rows = self.kv_cache.sync_device()  # the graphs gather the batch's page tables on the device
             # the graphs read working_tables and count the pass's routing themselves
-            expert_tables, hook = self.experts.pass_routing(fixed_tables=True, counted=self.graphs.count_pass is not None)
+            counted = self.graphs.count_pass is not None
+            expert_tables, hook = self.experts.pass_routing(fixed_tables=True, counted=counted)
             if self.before_replay is not None:
                 self.before_replay(inputs, shape, table_rows, expert_tables)
             self.num_graph_steps += 1

@@ -8,8 +8,8 @@ the same pages) and the pass's inputs with every page table it reads. Each rank 
 whose all-reduces meet; only rank 0 samples. With CUDA graphs every rank captures the same shapes in the same
 order and replays the one rank 0 replays, from mirrors of its KV and expert tables that each step's message
 updates. Expert reads are direct (a host expert is read where it lies, by every rank from its own pinned slices),
-so no routing hook acts mid-pass. A rank that dies fails rank 0's next
-collective at once, one that hangs after `timeout_s()`: never a silent hang.
+so no routing hook acts mid-pass. A rank that dies fails rank 0's next collective at once, one that hangs after
+`timeout_s()`: never a silent hang.
 """
 
 import logging
@@ -71,7 +71,8 @@ def replay_message(copies, inputs, shape, table_rows, expert_tables: torch.Tenso
 def graph_setup_message(copies, kv_tables: torch.Tensor, expert_tables: torch.Tensor, scratch_page: int,
                         sizes: list[int], mixed_sizes: list[int]) -> StepMessage:  # fmt: skip
     """Every rank captures the same step graphs, in the same order (their warm-ups' all-reduces meet)."""
-    tensors = {"kv_tables": kv_tables.cpu(), "expert_tables": expert_tables.cpu(), "scratch_page": torch.tensor(scratch_page)}
+    tensors = {"kv_tables": kv_tables.cpu(), "expert_tables": expert_tables.cpu(),
+               "scratch_page": torch.tensor(scratch_page)}  # fmt: skip
     return StepMessage(list(copies), tensors=tensors, graph_sizes=(sizes, mixed_sizes))
 
 
@@ -183,7 +184,7 @@ class Worker:
         tensors = message.tensors
         self.kv_tables = tensors["kv_tables"].to(self.device)
         self.expert_tables = tensors["expert_tables"].to(self.device)
-        states = (self.state_views["ssm_view"], self.state_views["conv_view"]) if self.state_views else None
+        states = tuple(self.state_views.values()) or None  # (SSM view, conv view) of a hybrid
         sizes, mixed = message.graph_sizes
         self.graphs = StepGraphs(self.model, self.kv_view, self.expert_view, self.expert_tables, self.kv_tables,
                                  int(tensors["scratch_page"]), sizes, capture=self.device.type == "cuda",
