@@ -431,6 +431,8 @@ class Engine:
             step_seconds = clock.lap("forward")
             self.expert_manager.end_step()
             step_seconds += clock.lap("expert_changes")
+            if self.scheduler.swap is not None:  # what a recompute would cost, for the next preemption
+                self.scheduler.swap.cost.observe_step(step_seconds, batch.num_tokens, len(batch.requests))
             if self.adjuster is not None:  # the step's wall time: forward, sampling, expert copies
                 self.adjuster.observe(step_seconds, batch.num_tokens, self.scheduler.waiting,
                                       len(self.scheduler.running), self.allocator.num_used_pages(KV))

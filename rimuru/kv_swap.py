@@ -7,19 +7,22 @@ kept. Re-admitted, it gets fresh pages (any ids, a fresh slot) and the saved con
 same order, so its next step reads exactly the K, V and state it wrote: tokens are those of a run without
 preemption (a recomputed hybrid rebuilds its state in the prompt's chunk form, which rounds otherwise). A token's KV
 crosses the host link twice, which costs less than a prefill recomputing it on the GPUs Rimuru targets
-(docs/architecture.md); `preemption="recompute"` keeps the old way. Host memory for saved pages is capped at the
-pool's size: beyond it a victim is recomputed.
+(docs/architecture.md), but not always for a hybrid's fixed-size state: `PreemptionCost` weighs the two on the
+engine's measured link and prefill rates, victim by victim. `preemption="recompute"` keeps the old way. Host memory
+for saved pages is capped at the pool's size: beyond it a victim is recomputed.
 
 Under tensor parallelism each save and restore is also logged as a `PageSwap` for the other ranks, which copy their
 own pages (their shards of the same page ids) into their own `HostPages` in the same order.
 """
 
+import time
 from dataclasses import dataclass
 
 import torch
 
 from rimuru.kv_cache import KVCacheManager
 from rimuru.linear_state_cache import LinearStateCache
+from rimuru.preemption_cost import PreemptionCost
 from rimuru.request import Request
 
 
@@ -77,6 +80,7 @@ class KVSwap:
         self._tokens: dict[str, int] = {}  # request id -> computed tokens whose KV is saved
         self.log: list | None = None  # tensor parallel: each `PageSwap` for the other ranks, beside the expert copies
         self.num_saved = 0  # preemptions recovered by a copy rather than a recompute
+        self.cost = PreemptionCost()  # the engine feeds it its steps; the saves time the link
 
     @property
     def saved_bytes(self) -> int:
@@ -87,12 +91,17 @@ class KVSwap:
 
     def save(self, request: Request) -> bool:
         """Copy the request's pages to the host, which the caller then frees; False (nothing done) when the host cap
-        is reached."""
+        is reached or recomputing the request costs less."""
         num_pages = -(-request.num_computed_tokens // self.kv_cache.page_tokens)  # the pages its written KV fills
-        if num_pages == 0 or self.saved_bytes + self._bytes(num_pages) > self.max_bytes:
+        num_bytes = self._bytes(num_pages)
+        if num_pages == 0 or self.saved_bytes + num_bytes > self.max_bytes:
+            return False
+        if not self.cost.swap_is_cheaper(num_bytes, request.num_computed_tokens):
             return False
         pages = self._pages(request.request_id, num_pages)
+        start = time.perf_counter()
         self.host.save(request.request_id, pages)
+        self.cost.observe_copy(num_bytes, time.perf_counter() - start)
         self._tokens[request.request_id] = request.num_computed_tokens
         self._log("save", request.request_id, pages)
         self.num_saved += 1

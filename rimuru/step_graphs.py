@@ -112,6 +112,18 @@ class _Captured:
     points: list[RoutingPoint]  # what the hook reads after graph i: views of the shared point buffers
 
 
+class _Cuts:
+    """The captures' routing hook, one object for every warm-up and capture: a compiled pass guards on its hook, so
+    it compiles at the warm-ups, never inside a capture (which a compile there would invalidate)."""
+
+    def __init__(self):
+        self.cut: RoutingHook | None = None  # the capture in progress cuts its graph here; None in a warm-up
+
+    def __call__(self, layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:
+        if self.cut is not None:
+            self.cut(layer_idx, hidden, topk_ids)
+
+
 class StepGraphs:
     def __init__(self, model: QwenMoeForCausalLM, kv_view: torch.Tensor, expert_view: torch.Tensor,
                  expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
@@ -141,6 +153,7 @@ class StepGraphs:
         self.point_hidden: torch.Tensor | None = None  # [MoE layers, tokens, D]
         self.point_ids: torch.Tensor | None = None  # [MoE layers, tokens, K]
         self.captured: dict[Shape, _Captured] = {}
+        self._cuts = _Cuts()
 
     def shape_for(self, inputs) -> Shape | None:
         """The captured shape that takes this step (`StepInputs`); None: it runs eagerly."""
@@ -162,8 +175,8 @@ class StepGraphs:
         if not self.capture:
             return
         shapes = sorted(self.shapes, key=lambda s: (s.tokens, s.mixed), reverse=True)
-        for shape in shapes:
-            self.run_padding(shape)  # compiles the kernels
+        for shape in shapes:  # compiles the kernels, and a compiled pass as the capture will call it
+            self.run_padding(shape, self._cuts)
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self._allocate_outputs()
@@ -177,10 +190,10 @@ class StepGraphs:
         torch.cuda.synchronize()
 
     @torch.inference_mode()
-    def run_padding(self, shape: Shape) -> torch.Tensor:
+    def run_padding(self, shape: Shape, on_routing: RoutingHook | None = None) -> torch.Tensor:
         """An eager pass of `shape` whose rows are all padding: logits [S, V] (warm-ups and memory profiles)."""
         self.inputs.write_padding_only(shape)
-        return self._forward(shape, None)
+        return self._forward(shape, on_routing)
 
     def _allocate_outputs(self) -> None:
         config, top, tokens = self.model.config, self.batch_sizes[-1], self.inputs.max_tokens
@@ -214,11 +227,13 @@ class StepGraphs:
             begin_piece()
 
         begin_piece()
+        self._cuts.cut = cut
         try:
-            self.logits[: shape.sampled].copy_(self._forward(shape, cut))
+            self.logits[: shape.sampled].copy_(self._forward(shape, self._cuts))
             if self.count_pass is not None:
                 self.count_pass(self.point_ids[:, : shape.tokens], self._real_rows(shape), self.expert_tables)
         finally:
+            self._cuts.cut = None
             if piece is not None:  # a capture that failed part-way still leaves capture mode
                 end_piece()
         return _Captured(graphs, points)

@@ -11,6 +11,7 @@ import torch._dynamo
 from rimuru.models import fabricate
 from tests.engine.conftest import make_prompts
 from tests.engine.test_experts import budget_for, run
+from tests.engine.test_step_graphs import stand_in_cuda_graphs
 
 
 @pytest.fixture(autouse=True)
@@ -30,6 +31,38 @@ def test_compiled_engine_gives_hugging_face_tokens(family):
                           expert_reads="copy", compile=True)  # fmt: skip
     assert tokens == expected and elastic.expert_stats["evictions"] > 0
     assert not elastic.loaded.model.forward.failed
+
+
+def test_no_compile_runs_inside_a_capture(family, monkeypatch):
+    """Each shape's warm-up calls the compiled pass as its capture will (the capture's routing hook included), so
+    dynamo compiles nothing inside a capture, where it would invalidate the graph on a GPU. Stand-in graphs on the
+    CPU, dynamo's graphs counted by a backend that runs them as they are."""
+    compiles, in_capture = [], []
+
+    def counting_backend(graph, example_inputs):
+        compiles.append(graph)
+        return graph.forward
+
+    monkeypatch.setattr("rimuru.compilation.BACKEND", counting_backend)
+    folder, prompts, _ = family
+    engine, _ = run(folder, prompts[:1], expert_policy="resident", compile=True, cuda_graphs=True, max_num_seqs=4,
+                    max_num_batched_tokens=64)  # fmt: skip
+    graphs = engine.runner.graphs
+    stand_in_cuda_graphs(monkeypatch)
+    original = type(graphs)._capture
+
+    def counted(self, shape, pool):
+        before = len(compiles)
+        captured = original(self, shape, pool)
+        in_capture.append(len(compiles) - before)
+        return captured
+
+    monkeypatch.setattr(type(graphs), "_capture", counted)
+    graphs.capture = True
+    before = len(compiles)
+    graphs.capture_all(progress=False)
+    assert len(compiles) > before  # the warm-ups compiled the pass with the capture's hook
+    assert len(in_capture) == len(graphs.shapes) and not any(in_capture)
 
 
 def test_a_failed_compile_runs_the_eager_pass(family, monkeypatch, caplog):

@@ -9,6 +9,7 @@ import weakref
 import pytest
 
 from rimuru import LLM, SamplingParams
+from rimuru.preemption_cost import PreemptionCost
 from tests.engine.conftest import MAX_TOKENS, expect_no_growth
 
 GREEDY = SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True)
@@ -58,6 +59,18 @@ def test_preemption_keeps_tokens_identical(family, monkeypatch, preemption):
     assert tokens == expected
     assert llm.engine.allocator.stats()["kv_used_pages"] == 0  # every page came back
     llm.engine.allocator.check_integrity()
+
+
+def test_a_victim_is_recomputed_where_that_costs_less(family, monkeypatch):
+    """Swap mode, with a link so slow that every victim's prompt costs less to recompute: none is saved."""
+    folder, prompts, expected = family
+    longest = max(map(len, prompts)) + MAX_TOKENS
+    expect_no_growth(monkeypatch)
+    llm = LLM(folder, progress=False, gpu_memory_budget=tight_budget(folder, 2 * longest), expert_policy="resident")
+    llm.engine.scheduler.swap.cost = PreemptionCost(link_bytes_per_s=1.0, prefill_s_per_token=1e-9, weight=0.0)
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions > 0 and llm.engine.scheduler.swap.num_saved == 0
+    assert tokens == expected
 
 
 def test_the_growth_forecast_admits_only_what_the_pool_carries_to_the_end(family):

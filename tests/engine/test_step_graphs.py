@@ -170,18 +170,10 @@ def test_mixed_steps_replay_the_padded_path_and_change_speed_never_tokens(family
     assert engine.runner.num_graph_steps == len(seen[0]) == engine.num_steps  # every step fit a shape
 
 
-def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkeypatch):
-    """`capture_all` and a replayed step, with torch.cuda's graph API stood in for on the CPU: every decode and
-    mixed shape is captured into one pool, largest first, with one graph a piece, and a replay feeds the hook the
-    captured routing points (real rows only) and returns the sampled rows. Catches what only the GPU path runs."""
-    from rimuru.model_runner import StepInputs
+def stand_in_cuda_graphs(monkeypatch) -> None:
+    """torch.cuda's graph API stood in for on the CPU, enough for `capture_all` and a replay."""
 
-    folder, prompts, _ = family
-    engine, _ = run(folder, prompts[:1], cuda_graphs=True, mixed_cuda_graphs=True, max_num_seqs=16,
-                    max_num_batched_tokens=200)  # fmt: skip
-    graphs, captured_order = engine.runner.graphs, []
-
-    class StandIn:  # torch.cuda.CUDAGraph, Stream and the stream context, enough for capture_all and run
+    class StandIn:  # torch.cuda.CUDAGraph, Stream and the stream context
         def __init__(self, *args, **kwargs):
             self.replays = 0
 
@@ -206,6 +198,20 @@ def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkey
     for name, value in [("CUDAGraph", StandIn), ("Stream", StandIn), ("stream", StandIn), ("current_stream", StandIn),
                         ("graph_pool_handle", lambda: "pool"), ("synchronize", lambda *a: None)]:  # fmt: skip
         monkeypatch.setattr(torch.cuda, name, value)
+
+
+def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkeypatch):
+    """`capture_all` and a replayed step, with torch.cuda's graph API stood in for on the CPU: every decode and
+    mixed shape is captured into one pool, largest first, with one graph a piece, and a replay feeds the hook the
+    captured routing points (real rows only) and returns the sampled rows. Catches what only the GPU path runs."""
+    from rimuru.model_runner import StepInputs
+
+    folder, prompts, _ = family
+    engine, _ = run(folder, prompts[:1], cuda_graphs=True, mixed_cuda_graphs=True, max_num_seqs=16,
+                    max_num_batched_tokens=200)  # fmt: skip
+    graphs, captured_order = engine.runner.graphs, []
+
+    stand_in_cuda_graphs(monkeypatch)
     original = type(graphs)._capture
 
     def recording(self, shape, pool):
