@@ -44,10 +44,11 @@ class CompiledForward:
         self.num_calls = 0
         # fused bf16 ops round each intermediate as eager does (reductions still sum in inductor's order)
         torch._inductor.config.emulate_precision_casts = True
-        # each layer's frame after a routing hook's graph break compiles once a layer: room for every layer, twice
-        # (a fixed and a dynamic token count), before dynamo would give up and run the rest eagerly
+        # each layer's frame after a routing hook's graph break compiles once a layer: room for every layer four
+        # times (a fixed and a dynamic token count, each with a hook and without), before dynamo would give up and
+        # run the rest eagerly
         config = torch._dynamo.config
-        config.recompile_limit = max(config.recompile_limit, 2 * num_layers + 8)
+        config.recompile_limit = max(config.recompile_limit, 4 * num_layers + 8)
         config.accumulated_recompile_limit = max(config.accumulated_recompile_limit, 64 * num_layers)
 
     def __call__(self, input_ids: torch.Tensor, ctx) -> torch.Tensor:

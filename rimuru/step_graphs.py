@@ -74,22 +74,26 @@ def reserve_scratch_page(allocator) -> int:
 
 def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
                         scratch_page: int, max_num_seqs: int, cuda_graphs: bool | None, progress: bool,
-                        mixed_tokens: int = 0, state_views: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+                        mixed_tokens: int = 0, state_views: tuple[torch.Tensor, torch.Tensor] | None = None,
+                        always_resident: bool = False):  # fmt: skip
     """The engine's step graphs, captured: decode steps', and with `mixed_tokens` (the step's token limit) mixed
     steps' too; their padding rows use `scratch_page` (`reserve_scratch_page`). None without `kv_tables` (the KV
     cache's device copy, kept only when graphs are wanted: they gather from it), or when a capture nobody asked for
-    explicitly fails (a warning says so, the scratch page goes back to the pool and steps run eagerly)."""
+    explicitly fails (a warning says so, the scratch page goes back to the pool and steps run eagerly).
+    `always_resident` (the resident policy): no hook ever runs and nothing needs routing counted, so the shapes are
+    captured whole."""
     device = pool.device
     if kv_tables is None:
         return None
     sizes = graph_batch_sizes(max_num_seqs)
     mixed = mixed_token_sizes(mixed_tokens)
     counter = experts.counter
-    count_pass = counter.count_pass if counter.counts_routing else None  # the routing counted inside the graphs
+    # the routing counted inside the graphs; all experts resident, there is nothing a count could be for
+    count_pass = counter.count_pass if counter.counts_routing and not always_resident else None
     graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.loader.working_tables, kv_tables,
                         scratch_page, sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
                         mixed_sizes=mixed, count_pass=count_pass, keep_router_inputs=not experts.direct,
-                        state_views=state_views)  # fmt: skip
+                        state_views=state_views, cut_at_routing=not always_resident)  # fmt: skip
     start = time.perf_counter()
     try:
         graphs.capture_all(progress)
@@ -129,8 +133,12 @@ class StepGraphs:
                  expert_tables: torch.Tensor, kv_tables: torch.Tensor, scratch_page: int, batch_sizes: list[int],
                  capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = (),
                  count_pass: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
-                 keep_router_inputs: bool = True, state_views: tuple[torch.Tensor, torch.Tensor] | None = None):  # fmt: skip
+                 keep_router_inputs: bool = True, state_views: tuple[torch.Tensor, torch.Tensor] | None = None,
+                 cut_at_routing: bool = True):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
+        # False: no hook will ever run mid-pass (every expert stays resident, nothing counts routing), so each shape
+        # is captured whole: one replay a step, and a compiled pass without a graph break a MoE layer
+        self.cut_at_routing = cut_at_routing
         # the routing hook's router inputs, kept for each MoE layer ([MoE layers, tokens, D]): only a hook that
         # predicts (expert_reads="copy") or observes reads them; without one their buffer would only cost KV pages
         self.keep_router_inputs = keep_router_inputs
@@ -176,7 +184,7 @@ class StepGraphs:
             return
         shapes = sorted(self.shapes, key=lambda s: (s.tokens, s.mixed), reverse=True)
         for shape in shapes:  # compiles the kernels, and a compiled pass as the capture will call it
-            self.run_padding(shape, self._cuts)
+            self.run_padding(shape, self._capture_hook())
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         self._allocate_outputs()
@@ -200,6 +208,8 @@ class StepGraphs:
         dtype, dev = self.model.lm_head.weight.dtype, self.kv_view.device
         num_moe = len(config.moe_layer_ids)
         self.logits = torch.empty(top, config.vocab_size, dtype=torch.float32, device=dev)
+        if not self.cut_at_routing:  # no routing points: graphs captured whole
+            return
         if self.keep_router_inputs:
             self.point_hidden = torch.empty(num_moe, tokens, config.hidden_size, dtype=dtype, device=dev)
         self.point_ids = torch.empty(num_moe, tokens, config.num_experts_per_tok, dtype=torch.int64, device=dev)
@@ -229,7 +239,7 @@ class StepGraphs:
         begin_piece()
         self._cuts.cut = cut
         try:
-            self.logits[: shape.sampled].copy_(self._forward(shape, self._cuts))
+            self.logits[: shape.sampled].copy_(self._forward(shape, self._capture_hook()))
             if self.count_pass is not None:
                 self.count_pass(self.point_ids[:, : shape.tokens], self._real_rows(shape), self.expert_tables)
         finally:
@@ -237,6 +247,9 @@ class StepGraphs:
             if piece is not None:  # a capture that failed part-way still leaves capture mode
                 end_piece()
         return _Captured(graphs, points)
+
+    def _capture_hook(self) -> "_Cuts | None":
+        return self._cuts if self.cut_at_routing else None
 
     def _store_point(self, index: int, size: int, point: RoutingPoint) -> RoutingPoint:
         """Copy a routing point into the shared buffers (inside the capture); the hook reads the copies."""
@@ -263,6 +276,8 @@ class StepGraphs:
         hook = hook if on_routing is not None else None
         if not self.capture:
             return self._run_uncaptured(shape, hook)[:num_sampled]
+        if hook is not None and not self.cut_at_routing:
+            raise RuntimeError("these CUDA graphs were captured whole, so no routing hook can run mid-pass")
         captured, later = self.captured[shape], None
         for graph, point in zip(captured.graphs, captured.points + [None]):
             graph.replay()

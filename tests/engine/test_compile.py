@@ -33,10 +33,12 @@ def test_compiled_engine_gives_hugging_face_tokens(family):
     assert not elastic.loaded.model.forward.failed
 
 
-def test_no_compile_runs_inside_a_capture(family, monkeypatch):
-    """Each shape's warm-up calls the compiled pass as its capture will (the capture's routing hook included), so
-    dynamo compiles nothing inside a capture, where it would invalidate the graph on a GPU. Stand-in graphs on the
-    CPU, dynamo's graphs counted by a backend that runs them as they are."""
+@pytest.mark.parametrize("policy", ["resident", "elastic"])
+def test_no_compile_runs_inside_a_capture(family, monkeypatch, policy):
+    """Each shape's warm-up calls the compiled pass as its capture will (the capture's routing hook included, where
+    the policy may copy experts mid-pass), so dynamo compiles nothing inside a capture, where it would invalidate
+    the graph on a GPU; all experts resident, the pass is one graph with no break. Stand-in graphs on the CPU,
+    dynamo's graphs counted by a backend that runs them as they are."""
     compiles, in_capture = [], []
 
     def counting_backend(graph, example_inputs):
@@ -44,8 +46,9 @@ def test_no_compile_runs_inside_a_capture(family, monkeypatch):
         return graph.forward
 
     monkeypatch.setattr("rimuru.compilation.BACKEND", counting_backend)
+    torch._dynamo.utils.counters.clear()  # graph breaks are counted process-wide
     folder, prompts, _ = family
-    engine, _ = run(folder, prompts[:1], expert_policy="resident", compile=True, cuda_graphs=True, max_num_seqs=4,
+    engine, _ = run(folder, prompts[:1], expert_policy=policy, compile=True, cuda_graphs=True, max_num_seqs=4,
                     max_num_batched_tokens=64)  # fmt: skip
     graphs = engine.runner.graphs
     stand_in_cuda_graphs(monkeypatch)
@@ -63,6 +66,8 @@ def test_no_compile_runs_inside_a_capture(family, monkeypatch):
     graphs.capture_all(progress=False)
     assert len(compiles) > before  # the warm-ups compiled the pass with the capture's hook
     assert len(in_capture) == len(graphs.shapes) and not any(in_capture)
+    assert graphs.cut_at_routing == (policy != "resident")
+    assert bool(torch._dynamo.utils.counters["graph_break"]) == graphs.cut_at_routing
 
 
 def test_a_failed_compile_runs_the_eager_pass(family, monkeypatch, caplog):

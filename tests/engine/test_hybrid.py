@@ -117,7 +117,8 @@ def test_hybrid_tokens_on_gpu_equal_hugging_face(hybrid, monkeypatch):
                                **options)  # fmt: skip
     assert tokens == expected and elastic.expert_stats["evictions"] > 0
     expect_no_growth(monkeypatch)
-    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, 48, 2, 0, **options),
+    longest = max(map(len, prompts)) + MAX_TOKENS  # a pool sized to the page holds no more than the longest request
+    squeezed, tokens = generate(folder, prompts, gpu_memory_budget=hybrid_budget(folder, longest, 2, 0, **options),
                                 expert_policy="resident", **options)  # fmt: skip
     assert tokens == expected and squeezed.scheduler.num_preemptions > 0
 

@@ -235,6 +235,28 @@ def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkey
     assert seen == [3] * num_moe and all(g.replays == 1 for g in graphs.captured[shape].graphs)
 
 
+def test_a_resident_engine_captures_each_shape_whole(family, monkeypatch):
+    """Every expert resident and nothing counting routing: no hook ever runs mid-pass, so each shape is one graph
+    with no routing points (nor their buffers), and a hook offered at a replay is refused, not skipped."""
+    from rimuru.model_runner import StepInputs
+
+    folder, prompts, _ = family
+    engine, _ = run(folder, prompts[:1], expert_policy="resident", cuda_graphs=True, max_num_seqs=16,
+                    max_num_batched_tokens=200)  # fmt: skip
+    graphs = engine.runner.graphs
+    stand_in_cuda_graphs(monkeypatch)
+    graphs.capture = True
+    graphs.capture_all(progress=False)
+    assert set(graphs.captured) == set(graphs.shapes)
+    assert all(len(c.graphs) == 1 and not c.points for c in graphs.captured.values())
+    assert graphs.point_ids is None and graphs.point_hidden is None
+    inputs = StepInputs(torch.tensor([5]), torch.arange(1), torch.zeros(1, dtype=torch.int64),
+                        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+                        torch.tensor([0]), [0])  # fmt: skip  # one decode
+    with pytest.raises(RuntimeError, match="captured whole"):
+        graphs.run(inputs, lambda *routing: None, graphs.shape_for(inputs))
+
+
 def test_cpu_runs_eagerly_unless_asked(family):
     folder, prompts, expected = family
     engine, tokens = run(folder, prompts[:2])
