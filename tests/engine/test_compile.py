@@ -70,6 +70,24 @@ def test_no_compile_runs_inside_a_capture(family, monkeypatch, policy):
     assert bool(torch._dynamo.utils.counters["graph_break"]) == graphs.cut_at_routing
 
 
+def test_inductor_fusions_give_hugging_face_tokens(family, monkeypatch):
+    """RIMURU_INDUCTOR_FUSIONS: the norms, RoPE, activations and router top-k traced as their torch references for
+    inductor to fuse, in place of Rimuru's kernels, change no token."""
+    monkeypatch.setattr("rimuru.ops.INDUCTOR_FUSIONS", True)
+    traced = []
+    original = torch.ops.rimuru.rms_norm.default
+
+    def counting_backend(graph, example_inputs):
+        traced.extend(node.target for node in graph.graph.nodes if node.op == "call_function")
+        return torch._inductor.compile(graph, example_inputs)
+
+    monkeypatch.setattr("rimuru.compilation.BACKEND", counting_backend)
+    folder, prompts, expected = family
+    engine, tokens = run(folder, prompts, expert_policy="resident", compile=True, cuda_graphs=True)
+    assert tokens == expected and not engine.loaded.model.forward.failed
+    assert traced and original not in traced and torch.ops.rimuru.add_rms_norm.default not in traced
+
+
 def test_a_failed_compile_runs_the_eager_pass(family, monkeypatch, caplog):
     folder, prompts, expected = family
 
