@@ -6,6 +6,7 @@ the references, CUDA tensors the Triton kernels, and `torch.compile(fullgraph=Tr
 fake implementations.
 """
 
+import functools
 import os
 
 import torch
@@ -25,8 +26,18 @@ from rimuru.ops import reference
 INDUCTOR_FUSIONS = os.environ.get("RIMURU_INDUCTOR_FUSIONS") == "1"
 
 
-def _inductor_fuses() -> bool:
-    return INDUCTOR_FUSIONS and torch.compiler.is_compiling()
+def _or_reference(reference_fn):
+    """The decorated op, or `reference_fn` where inductor fuses (INDUCTOR_FUSIONS, while compiling)."""
+
+    def decorate(op_fn):
+        @functools.wraps(op_fn)
+        def call(*args):
+            fused = INDUCTOR_FUSIONS and torch.compiler.is_compiling()
+            return (reference_fn if fused else op_fn)(*args)
+
+        return call
+
+    return decorate
 
 
 def paged_moe(
@@ -44,46 +55,40 @@ def paged_moe(
                                       *(host or (None, None, None)))  # fmt: skip
 
 
+@_or_reference(reference.rms_norm)
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:  # x [..., N], weight [N]
     """RMSNorm over the last dimension in one kernel; see `rimuru.ops.reference.rms_norm`."""
-    if _inductor_fuses():
-        return reference.rms_norm(x, weight, eps)
     return torch.ops.rimuru.rms_norm(x, weight, eps)
 
 
+@_or_reference(reference.add_rms_norm)
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float):  # [T, N] each
     """(RMSNorm of x + residual, x + residual) in one kernel; see `rimuru.ops.reference.add_rms_norm`."""
-    if _inductor_fuses():
-        return reference.add_rms_norm(x, residual, weight, eps)
     return torch.ops.rimuru.add_rms_norm(x, residual, weight, eps)
 
 
+@_or_reference(reference.silu_and_mul)
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:  # [T, 2F] -> [T, F]
     """silu(gate) * up of a stacked gate/up projection in one kernel; see `rimuru.ops.reference.silu_and_mul`."""
-    if _inductor_fuses():
-        return reference.silu_and_mul(x)
     return torch.ops.rimuru.silu_and_mul(x)
 
 
+@_or_reference(reference.sigmoid_gated_add)
 def sigmoid_gated_add(base: torch.Tensor, gate_logits: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """base + sigmoid(gate_logits) * x in one kernel; see `rimuru.ops.reference.sigmoid_gated_add`."""
-    if _inductor_fuses():
-        return reference.sigmoid_gated_add(base, gate_logits, x)
     return torch.ops.rimuru.sigmoid_gated_add(base, gate_logits, x)
 
 
+@_or_reference(reference.rope)
 def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # q [T, Hq, Dh], k [T, Hk, Dh]
     """Neox RoPE of q and k in one kernel (cos, sin [T, Dh]); contiguous outputs; see `rimuru.ops.reference.rope`."""
-    if _inductor_fuses():
-        return reference.rope(q, k, cos, sin)
     return torch.ops.rimuru.rope(q, k, cos, sin)
 
 
+@_or_reference(reference.topk_softmax)
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):  # logits [T, E] float32
     """Router top-k ids [T, K] int64 and softmax weights [T, K] fp32 in one kernel; see
     `rimuru.ops.reference.topk_softmax`."""
-    if _inductor_fuses():
-        return reference.topk_softmax(logits, top_k, renormalize)
     return torch.ops.rimuru.topk_softmax(logits, top_k, renormalize)
 
 
