@@ -115,12 +115,12 @@ class Engine:
                                      self.kv_cache.device_tables, scratch_page, config.max_num_seqs,
                                      config.cuda_graphs, config.progress, self._mixed_graph_tokens,
                                      state_views, config.expert_policy == "resident")  # fmt: skip
+        self.states = LinearStateCache(self.allocator, linear_layers) if linear_layers else None
         self._fit_max_model_len(requested_max_model_len)
         self.kv_tokens_at_start = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV))
         self._log_start_up()
         config = self.config
         scheduler_config = SchedulerConfig(config.max_num_seqs, config.max_num_batched_tokens)
-        self.states = LinearStateCache(self.allocator, linear_layers) if linear_layers else None
         swap = None
         if config.preemption == "swap":
             swap = KVSwap(self.kv_cache, swap_views(self.pool, linear_layers > 0), self.pool.num_bytes, self.states)
@@ -207,11 +207,12 @@ class Engine:
                     "" if budget is None else f" of a {budget / 2**30:.2f} GiB budget")  # fmt: skip
 
     def _fit_max_model_len(self, requested: int | None) -> None:
-        """Make sure one sequence of max_model_len tokens fits the pool (once the adjuster evicted all it may), so a
-        budget can never cut an output short: lower an implicit max_model_len with a warning; refuse an explicit one.
+        """Make sure one sequence of max_model_len tokens, and a hybrid's state beside it, fits the pool (once the
+        adjuster evicted all it may), so a budget can never cut an output short: lower an implicit max_model_len with a warning; refuse an explicit one.
         """
         reclaimable_kv = self._reclaimable_expert_pages(stalled=True) * self.allocator.children[KV]
-        capacity = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV) + reclaimable_kv)
+        state_kv = 0 if self.states is None else self.states.expert_pages_for_requests(1) * self.allocator.children[KV]
+        capacity = self.kv_cache.tokens_in(max(0, self.allocator.num_free_small_pages(KV) + reclaimable_kv - state_kv))
         if capacity >= self.config.max_model_len:
             return
         if requested is not None or capacity < 1:

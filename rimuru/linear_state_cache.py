@@ -7,7 +7,7 @@ belong to `(request_id, "state")`, so freeing a request's KV never frees its sta
 
 import torch
 
-from rimuru.memory import CONV, KV, SSM, PageAllocator
+from rimuru.memory import CONV, EXPERT, KV, SSM, PageAllocator
 
 
 class LinearStateCache:
@@ -28,6 +28,14 @@ class LinearStateCache:
         sizes, layers = self.allocator.sizes, self.num_linear_layers
         ssm = -(-layers * sizes.ssm_page_stride // sizes.expert_page_bytes)
         return ssm + self.allocator.expert_pages_for(layers, CONV)
+
+    def expert_pages_for_requests(self, num_requests: int) -> int:
+        """Expert pages that the states of `num_requests` requests take from a pool holding no state yet: SSM pages
+        are cut from whole huge pages, conv pages from whole expert pages (a tiny model's one request may take a
+        huge page for a few SSM pages)."""
+        ssm_pages, conv_pages = num_requests * self.num_linear_layers, num_requests * self.num_linear_layers
+        huge_pages = -(-ssm_pages // self.allocator.children[SSM])
+        return huge_pages * self.allocator.children[EXPERT] + self.allocator.expert_pages_for(conv_pages, CONV)
 
     def kv_pages_per_request(self) -> int:
         """One request's state as KV pages (all layers together): the shortfall the scheduler records when it is

@@ -1,5 +1,6 @@
 """Fabricated checkpoints of both families and Hugging Face's greedy outputs on them, computed once a session."""
 
+import functools
 import gc
 import random
 import sys
@@ -22,10 +23,22 @@ def make_prompts(vocab_size: int, seed: int = 0) -> list[list[int]]:
     return [[rng.randrange(3, vocab_size) for _ in range(n)] for n in lengths]
 
 
-def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
-    """Hugging Face transformers' greedy `generate`, fp32 on CPU, one prompt at a time, EOS ignored."""
+# a GPU run may pick the other token where Hugging Face's two best logits lie this close (fp32 sums in another
+# order, flash-linear-attention's TF32 products); from there on its tokens are not comparable
+NEAR_TIE_LOGITS = 0.05
+
+
+@functools.cache
+def hf_model(folder: str) -> torch.nn.Module:
+    """Hugging Face transformers' model of a checkpoint, fp32 on CPU, its torch kernels."""
     model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     use_torch_kernels(model)
+    return model
+
+
+def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Hugging Face transformers' greedy `generate`, fp32 on CPU, one prompt at a time, EOS ignored."""
+    model = hf_model(folder)
     model.generation_config.eos_token_id = None  # else generate takes the checkpoint's EOS back and stops there
     config = transformers.GenerationConfig(do_sample=False, max_new_tokens=max_tokens, eos_token_id=None, pad_token_id=0)
     outputs = []
@@ -34,6 +47,22 @@ def hf_greedy(folder: str, prompts: list[list[int]], max_tokens: int) -> list[li
             tokens = model.generate(torch.tensor([prompt]), generation_config=config, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
             outputs.append(tokens[0, len(prompt) :].tolist())
     return outputs
+
+
+def assert_greedy_close(reference: str, prompts, tokens, expected) -> None:
+    """`tokens` equal Hugging Face's greedy `expected` up to a position where its two best logits were a near tie
+    (`NEAR_TIE_LOGITS`) and the run took the other one; the rest of that sequence is not compared. For GPU runs."""
+    assert len(tokens) == len(expected)
+    for prompt, ours, theirs in zip(prompts, tokens, expected):
+        assert len(ours) == len(theirs)
+        at = next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b), None)
+        if at is None:
+            continue
+        with torch.no_grad():
+            logits = hf_model(reference)(torch.tensor([prompt + theirs[:at]])).logits[0, -1]
+        margin = (logits[theirs[at]] - logits[ours[at]]).item()
+        assert margin < NEAR_TIE_LOGITS, f"token {at} of prompt {prompts.index(prompt)}: {ours[at]} where Hugging "\
+            f"Face's {theirs[at]} led by {margin:.4f}"
 
 
 def use_torch_kernels(model: torch.nn.Module) -> None:

@@ -9,7 +9,7 @@ import torch
 import torch._dynamo
 
 from rimuru.models import fabricate
-from tests.engine.conftest import make_prompts
+from tests.engine.conftest import assert_greedy_close, make_prompts
 from tests.engine.test_experts import budget_for, run
 from tests.engine.test_step_graphs import stand_in_cuda_graphs
 
@@ -117,11 +117,13 @@ def test_compiled_pass_in_captured_graphs_gives_hugging_face_tokens_on_gpu(famil
     folder, prompts, expected = family
     options = dict(device="cuda", dtype=torch.float32, compile=True)
     resident, tokens = run(folder, prompts, expert_policy="resident", **options)
-    assert tokens == expected and resident.runner.num_graph_steps > 0 and not resident.loaded.model.forward.failed
+    assert_greedy_close(folder, prompts, tokens, expected)
+    assert resident.runner.num_graph_steps > 0 and not resident.loaded.model.forward.failed
     budget = budget_for(folder, kv_tokens=60, offload=3, device="cuda", dtype=torch.float32)
-    elastic, tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
-                          expert_reads="copy", **options)  # fmt: skip
-    assert tokens == expected and elastic.expert_stats["evictions"] > 0 and not elastic.loaded.model.forward.failed
+    elastic, elastic_tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
+                                  expert_reads="copy", **options)  # fmt: skip
+    assert_greedy_close(folder, prompts, elastic_tokens, expected)
+    assert elastic.expert_stats["evictions"] > 0 and not elastic.loaded.model.forward.failed
 
 
 def test_compiled_bf16_hybrid_runs_its_fp32_delta_rule_between_graphs(tmp_path):
