@@ -13,7 +13,6 @@ from rimuru.models import fabricate
 from tests.engine.conftest import MAX_TOKENS, assert_greedy_close, expect_no_growth, hf_greedy, make_prompts
 from tests.engine.test_experts import GREEDY
 
-
 HF_CHECKPOINT = {}  # a fabricated checkpoint -> the one transformers reads for it (Qwen3.5's text model)
 
 

@@ -86,5 +86,6 @@ def test_compiled_pass_gives_eager_logits_and_greedy_tokens(loaded):
     with torch.inference_mode():  # as `ModelRunner.execute` runs the pass
         traced = greedy_steps(ResidentRunner(loaded, records_routing=False), compiled)
     for step_eager, step_traced in zip(eager, traced, strict=True):
-        torch.testing.assert_close(step_traced, step_eager)  # fp32 tolerances
+        # inductor reorders fp32 reductions, so a logit moves by a few ulps of its magnitude
+        torch.testing.assert_close(step_traced, step_eager, rtol=1e-4, atol=1e-4)
         assert torch.equal(step_traced.argmax(-1), step_eager.argmax(-1))
