@@ -103,13 +103,14 @@ def stepab(s: Session) -> None:
     """The decode step at PROFILE_FLAGS (64 resident requests) in this tree and in BASE_TREE (.bench/base: `git
     archive BASE | tar -x -C .bench/base`, carried) at BASE_FLAGS (PROFILE_FLAGS), alternated this, base, this, base;
     each lays out its own package. BASE_TREE=. with BASE_FLAGS compares two settings of this tree (--compile);
-    PROFILE_ENV and BASE_ENV ("VAR=value ...") set each side's environment (RIMURU_INDUCTOR_FUSIONS=1)."""
+    PROFILE_ENV and BASE_ENV ("VAR=value ...") set each side's environment (RIMURU_INDUCTOR_FUSIONS=1); ROUNDS (2)
+    pairs."""
     base = s.knob("BASE_TREE", ".bench/base")
     flags = s.knob("PROFILE_FLAGS", "--num-requests 64 --expert-policy resident")
     this_side = ("this", ".", flags, s.knob("PROFILE_ENV"))
     base_side = ("base", base, s.knob("BASE_FLAGS", flags), s.knob("BASE_ENV"))
     model, stream = Path(s.model).resolve(), Path(s.stream).resolve()
-    for i, (name, tree, tree_flags, env) in enumerate([this_side, base_side] * 2):
+    for i, (name, tree, tree_flags, env) in enumerate([this_side, base_side] * int(s.knob("ROUNDS", "2"))):
         log = s.out / f"stepab-{i}-{name}.txt"
         script = (f"cd {tree} && source tools/device_env.sh && exec env {env} python -P -m tools.engine.profile_step "
                   f"{model} {' '.join(s.dummy)} --stream {stream} --steps 20 {tree_flags}")  # fmt: skip
