@@ -13,6 +13,8 @@ sm_90):
 import triton
 import triton.language as tl
 
+from rimuru.ops.exact_dot import dot
+
 
 @triton.jit
 def tile_pages(p_table_row, n_start, n_hi, PAGE_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -43,7 +45,7 @@ def attend_pages(
         o_kv = b_page[:, None] * stride_kv_page + (o_n % PAGE_TOKENS)[:, None] * stride_kv_token  # [BN, 1]
         m_kv = m_n[:, None] & m_d[None, :]
         b_k = tl.load(p_kv_head + o_kv, mask=m_kv, other=0.0)  # [BN, Dh]
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2  # [ROWS, BN], log2 units
+        b_s = dot(b_q, tl.trans(b_k)) * scale_log2  # [ROWS, BN], log2 units
         b_s = tl.where(m_n[None, :] & (o_n[None, :] <= q_pos[:, None]), b_s, float("-inf"))
         b_new_max = tl.maximum(b_max, tl.max(b_s, 1))
         # NOTE: a row may see no token of this tile range yet; shifting by 0 keeps its -inf - -inf from NaN.
@@ -51,7 +53,7 @@ def attend_pages(
         b_p = tl.exp2(b_s - b_shift[:, None])
         b_alpha = tl.exp2(b_max - b_shift)
         b_v = tl.load(p_kv_head + o_kv + stride_kv_kind, mask=m_kv, other=0.0)  # [BN, Dh]
-        b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+        b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v)
         b_sum = b_sum * b_alpha + tl.sum(b_p, 1)
         b_max = b_new_max
         if PREFETCH_PAGES:

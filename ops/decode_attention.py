@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from rimuru.ops.attention_tiles import tile_pages
+from rimuru.ops.exact_dot import dot
 from rimuru.ops.split_kv_attention import LOG2_E
 
 DECODE_FLAGS = ("HEADS_FASTEST", "PERSISTENT", "EVEN_TILES", "PREFETCH_PAGES")
@@ -40,16 +41,16 @@ def _attend_tile(b_q, b_max, b_sum, b_acc, b_page, n_start, n_hi, p_kv_head, str
         m_n = o_n < n_hi
         b_k = tl.load(p_kv_head + o_kv, mask=m_n[:, None], other=0.0)  # [BN, Dh]
         b_v = tl.load(p_kv_head + o_kv + stride_kv_kind, mask=m_n[:, None], other=0.0)
-        b_s = tl.where(m_n[None, :], tl.dot(b_q, tl.trans(b_k)) * scale_log2, float("-inf"))  # [ROWS, BN]
+        b_s = tl.where(m_n[None, :], dot(b_q, tl.trans(b_k)) * scale_log2, float("-inf"))  # [ROWS, BN]
     else:
         b_k = tl.load(p_kv_head + o_kv)
         b_v = tl.load(p_kv_head + o_kv + stride_kv_kind)
-        b_s = tl.dot(b_q, tl.trans(b_k)) * scale_log2
+        b_s = dot(b_q, tl.trans(b_k)) * scale_log2
     # NOTE: every tile holds at least one token and every row sees it, so the new max is finite
     b_new_max = tl.maximum(b_max, tl.max(b_s, 1))
     b_p = tl.exp2(b_s - b_new_max[:, None])
     b_alpha = tl.exp2(b_max - b_new_max)
-    b_acc = b_acc * b_alpha[:, None] + tl.dot(b_p.to(b_v.dtype), b_v)
+    b_acc = b_acc * b_alpha[:, None] + dot(b_p.to(b_v.dtype), b_v)
     return b_new_max, b_sum * b_alpha + tl.sum(b_p, 1), b_acc
 
 

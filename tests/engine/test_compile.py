@@ -119,9 +119,10 @@ def test_compiled_pass_in_captured_graphs_gives_hugging_face_tokens_on_gpu(famil
     resident, tokens = run(folder, prompts, expert_policy="resident", **options)
     assert_greedy_close(folder, prompts, tokens, expected)
     assert resident.runner.num_graph_steps > 0 and not resident.loaded.model.forward.failed
-    budget = budget_for(folder, kv_tokens=60, offload=3, device="cuda", dtype=torch.float32)
+    copy = dict(expert_reads="copy", **options)  # the budget sized with this engine's own measured reserve
+    budget = budget_for(folder, kv_tokens=60, offload=3, expert_policy="elastic", **copy)
     elastic, elastic_tokens = run(folder, prompts, gpu_memory_budget=budget, expert_offload_limit=3, adjuster="paper",
-                                  expert_reads="copy", **options)  # fmt: skip
+                                  **copy)  # fmt: skip
     assert_greedy_close(folder, prompts, elastic_tokens, expected)
     assert elastic.expert_stats["evictions"] > 0 and not elastic.loaded.model.forward.failed
 

@@ -77,8 +77,9 @@ def test_nomination_follows_the_ranking_and_the_limit():
 
 def budget_for(folder: str, kv_tokens: int, offload: int, **options) -> int:
     """Room for two loading buffers of `offload` experts, every expert, and KV for `kv_tokens` tokens a layer, with
-    the activation reserve of an engine of `options`."""
-    engine = LLM(folder, progress=False, expert_policy="resident", **options).engine
+    the activation reserve of an engine of `options` (resident unless they name a policy: on a GPU the reserve is
+    measured, and a policy's graphs and a compiled pass's differ)."""
+    engine = LLM(folder, progress=False, **({"expert_policy": "resident"} | options)).engine
     plan, sizes, config = engine.memory_plan, engine.pool.sizes, engine.model_config
     expert_pages = engine.experts.num_expert_pages + 2 * offload * 3
     kv_pages = -(-kv_tokens // sizes.page_tokens) * config.num_hidden_layers

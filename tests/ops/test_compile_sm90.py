@@ -41,8 +41,10 @@ def ptxas_available() -> bool:
 pytestmark = pytest.mark.skipif(not ptxas_available(), reason="no Triton NVIDIA backend with ptxas here")
 
 
-def compile_sm90(kernel, constexprs: dict, num_warps: int, tmp_path, monkeypatch, **options):
-    """PTX of `kernel` for sm_90 with these constexprs (pointers typed by name, other arguments i32)."""
+def compile_sm90(kernel, constexprs: dict, num_warps: int, tmp_path, monkeypatch, float_type: str = "bf16",
+                 **options):  # fmt: skip
+    """PTX of `kernel` for sm_90 with these constexprs (pointers typed by name, float ones `float_type`, other
+    arguments i32)."""
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path))  # a fresh compile, not a cached one
     signature = {}
     for name in kernel.arg_names:
@@ -53,7 +55,7 @@ def compile_sm90(kernel, constexprs: dict, num_warps: int, tmp_path, monkeypatch
         elif name == "p_weights":
             signature[name] = "*fp32"
         elif name.startswith("p_"):
-            signature[name] = "*i32" if name in INT_POINTERS else "*bf16"
+            signature[name] = "*i32" if name in INT_POINTERS else f"*{float_type}"
         else:
             signature[name] = "i32"
     source = ASTSource(fn=kernel, signature=signature, constexprs=constexprs)
@@ -77,6 +79,17 @@ def test_down_kernel_compiles_without_atomics(read_host, tmp_path, monkeypatch):
     """Each output row has one writer: the down kernel stores plainly, no atomics (and, off, no grid waits)."""
     ptx = compile_sm90(_down_kernel, {**MOE_TILES, "READ_HOST": read_host}, 8, tmp_path, monkeypatch, num_stages=3)
     assert memory_ops(ptx) == set() and not any(op in ptx for op in GRID_DEPENDENCY)
+
+
+@pytest.mark.parametrize("kernel", [_gate_up_kernel, _down_kernel])
+def test_fp32_gemms_multiply_in_ieee_fp32_and_bf16_ones_on_tensor_cores(kernel, tmp_path, monkeypatch):
+    """`rimuru.ops.exact_dot`: an fp32 model's expert GEMMs take no TF32 products (Triton's default for fp32), a bf16
+    model's still run on the tensor cores."""
+    tiles = {**MOE_TILES, "READ_HOST": False}
+    fp32 = compile_sm90(kernel, tiles, 8, tmp_path, monkeypatch, float_type="fp32", num_stages=3)
+    assert "tf32" not in fp32 and "fma.rn.f32" in fp32
+    bf16 = compile_sm90(kernel, tiles, 8, tmp_path / "bf16", monkeypatch, num_stages=3)
+    assert re.search(r"\b(?:wgmma|mma)\.[\w.]*bf16", bf16)
 
 
 @pytest.mark.parametrize("kernel", [_gate_up_kernel, _down_kernel])
