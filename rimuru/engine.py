@@ -114,8 +114,7 @@ class Engine:
         graphs = capture_step_graphs(self.loaded.model, self.pool, self.allocator, self.expert_manager,
                                      self.kv_cache.device_tables, scratch_page, config.max_num_seqs,
                                      config.cuda_graphs, config.progress, self._mixed_graph_tokens,
-                                     state_views, config.expert_policy == "resident",
-                                     config.expert_policy != "fixed" or self.expert_manager.direct)  # fmt: skip
+                                     state_views, config.expert_policy == "resident")  # fmt: skip
         self.states = LinearStateCache(self.allocator, linear_layers) if linear_layers else None
         self._fit_max_model_len(requested_max_model_len)
         self.kv_tokens_at_start = self.kv_cache.tokens_in(self.allocator.num_free_small_pages(KV))

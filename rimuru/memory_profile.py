@@ -4,9 +4,8 @@ A budget is a promise: weights, pool and every step's work stay under it. vLLM k
 before it sizes its KV cache; so does Rimuru. The engine's own passes run over a scratch pool of a few pages, every
 expert and KV page table pointing into it (the values are garbage, the memory the same):
 
-    graphs   the CUDA graphs of the largest decode and mixed shapes (the decode one cut and whole), captured into
-             their memory pool, with their shared outputs and the KV cache's device tables: held for the engine's
-             lifetime
+    graphs   the CUDA graphs of the largest decode and mixed shapes, captured into their memory pool, with their
+             shared outputs and the KV cache's device tables: held for the engine's lifetime
     step     sampling max_num_seqs rows with every filter and log-probabilities on, and, when some step can run
              without a graph, an eager pass of max_num_batched_tokens before it: freed after each step
 
@@ -103,7 +102,7 @@ def _graphs(model, scratch: MemoryPool, expert_tables, kv_tables, scratch_kv_pag
     mixed = [shapes.mixed_tokens] if shapes.mixed_tokens else []
     return StepGraphs(model, scratch.kv_view(), scratch.expert_view(), expert_tables, kv_tables, scratch_kv_page,
                       [top], capture=shapes.decode_batch > 0, mixed_sizes=mixed,
-                      keep_router_inputs=False, whole_decode=True)  # fmt: skip
+                      keep_router_inputs=False)  # fmt: skip
 
 
 def _eager_pass(model, scratch: MemoryPool, expert_tables, kv_tables, scratch_kv_page: int,

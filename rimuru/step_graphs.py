@@ -9,9 +9,7 @@ which also draws the padding layouts), pads them to the next captured shape and 
 two pieces it runs the routing hook on the real rows exactly as the eager pass does (copies of routed experts,
 prefetch of the next layer's), so offloading works under graphs and the kernels read `expert_tables` as the hook
 left them. The prefetch the hook hands back is issued after the next piece is queued, so the host issues its copies
-while the GPU computes. With `whole_decode` each decode shape is also captured whole (routing points stored, no
-cuts): a step whose hook is None (every expert resident, or read in place) replays that one graph instead of a
-piece a MoE layer, which saves the launch gap between pieces.
+while the GPU computes.
 
 Batches above the largest shape run eagerly. Without `capture` (CPU, where there are no CUDA graphs) `run` executes
 the pieces eagerly over the same static, padded buffers: the tests use that to check the padding and the hook on
@@ -77,14 +75,13 @@ def reserve_scratch_page(allocator) -> int:
 def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_tables: torch.Tensor | None,
                         scratch_page: int, max_num_seqs: int, cuda_graphs: bool | None, progress: bool,
                         mixed_tokens: int = 0, state_views: tuple[torch.Tensor, torch.Tensor] | None = None,
-                        always_resident: bool = False, whole_decode: bool = True):  # fmt: skip
+                        always_resident: bool = False):  # fmt: skip
     """The engine's step graphs, captured: decode steps', and with `mixed_tokens` (the step's token limit) mixed
     steps' too; their padding rows use `scratch_page` (`reserve_scratch_page`). None without `kv_tables` (the KV
     cache's device copy, kept only when graphs are wanted: they gather from it), or when a capture nobody asked for
     explicitly fails (a warning says so, the scratch page goes back to the pool and steps run eagerly).
     `always_resident` (the resident policy): no hook ever runs and nothing needs routing counted, so the shapes are
-    captured whole. `whole_decode`: steps may run without a hook (not the fixed policy copying its offloaded experts),
-    so decode shapes are captured whole as well as cut."""
+    captured whole."""
     device = pool.device
     if kv_tables is None:
         return None
@@ -96,8 +93,7 @@ def capture_step_graphs(model: QwenMoeForCausalLM, pool, allocator, experts, kv_
     graphs = StepGraphs(model, pool.kv_view(), experts.store.expert_view, experts.loader.working_tables, kv_tables,
                         scratch_page, sizes, capture=device.type == "cuda", host_experts=experts.host_experts,
                         mixed_sizes=mixed, count_pass=count_pass, keep_router_inputs=not experts.direct,
-                        state_views=state_views, cut_at_routing=not always_resident,
-                        whole_decode=whole_decode)  # fmt: skip
+                        state_views=state_views, cut_at_routing=not always_resident)  # fmt: skip
     start = time.perf_counter()
     try:
         graphs.capture_all(progress)
@@ -138,13 +134,11 @@ class StepGraphs:
                  capture: bool, host_experts: dict | None = None, mixed_sizes: list[int] = (),
                  count_pass: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], None] | None = None,
                  keep_router_inputs: bool = True, state_views: tuple[torch.Tensor, torch.Tensor] | None = None,
-                 cut_at_routing: bool = True, whole_decode: bool = False):  # fmt: skip
+                 cut_at_routing: bool = True):  # fmt: skip
         self.model, self.kv_view, self.expert_view, self.expert_tables = model, kv_view, expert_view, expert_tables
         # False: no hook will ever run mid-pass (every expert stays resident, nothing counts routing), so each shape
         # is captured whole: one replay a step, and a compiled pass without a graph break a MoE layer
         self.cut_at_routing = cut_at_routing
-        # cut graphs, and each decode shape captured whole beside them for the steps that run no hook
-        self.whole_decode = whole_decode and cut_at_routing
         # the routing hook's router inputs, kept for each MoE layer ([MoE layers, tokens, D]): only a hook that
         # predicts (expert_reads="copy") or observes reads them; without one their buffer would only cost KV pages
         self.keep_router_inputs = keep_router_inputs
@@ -167,7 +161,6 @@ class StepGraphs:
         self.point_hidden: torch.Tensor | None = None  # [MoE layers, tokens, D]
         self.point_ids: torch.Tensor | None = None  # [MoE layers, tokens, K]
         self.captured: dict[Shape, _Captured] = {}
-        self.whole: dict[Shape, _Captured] = {}  # with `whole_decode`: decode shapes in one graph each
         self._cuts = _Cuts()
 
     def shape_for(self, inputs) -> Shape | None:
@@ -201,8 +194,6 @@ class StepGraphs:
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
                 self.captured[shape] = self._capture(shape, pool)
-                if self.whole_decode and not shape.mixed:
-                    self.whole[shape] = self._capture(shape, pool, cut=False)
             torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
@@ -223,9 +214,7 @@ class StepGraphs:
             self.point_hidden = torch.empty(num_moe, tokens, config.hidden_size, dtype=dtype, device=dev)
         self.point_ids = torch.empty(num_moe, tokens, config.num_experts_per_tok, dtype=torch.int64, device=dev)
 
-    def _capture(self, shape: Shape, pool, cut: bool = True) -> _Captured:
-        """`shape`'s graphs: a piece between two routings, or with `cut` False one graph that stores the routing
-        points all the same (its last kernels count them)."""
+    def _capture(self, shape: Shape, pool) -> _Captured:
         # NOTE: capture_begin/end rather than `torch.cuda.graph`, which collects garbage around each of the
         # (shapes x MoE layers) captures.
         graphs, points, piece = [], [], None  # piece: the graph being captured, None between two
@@ -242,14 +231,13 @@ class StepGraphs:
             graph.capture_end()
             graphs.append(graph)
 
-        def at_routing(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:  # the pass's hook
+        def cut(layer_idx: int, hidden: torch.Tensor, topk_ids: torch.Tensor) -> None:  # the pass's routing hook
             points.append(self._store_point(len(points), shape.tokens, RoutingPoint(layer_idx, hidden, topk_ids)))
-            if cut:
-                end_piece()
-                begin_piece()
+            end_piece()
+            begin_piece()
 
         begin_piece()
-        self._cuts.cut = at_routing
+        self._cuts.cut = cut
         try:
             self.logits[: shape.sampled].copy_(self._forward(shape, self._capture_hook()))
             if self.count_pass is not None:
@@ -290,9 +278,6 @@ class StepGraphs:
             return self._run_uncaptured(shape, hook)[:num_sampled]
         if hook is not None and not self.cut_at_routing:
             raise RuntimeError("these CUDA graphs were captured whole, so no routing hook can run mid-pass")
-        if hook is None and shape in self.whole:
-            self.whole[shape].graphs[0].replay()
-            return self.logits[:num_sampled]
         captured, later = self.captured[shape], None
         for graph, point in zip(captured.graphs, captured.points + [None]):
             graph.replay()

@@ -214,9 +214,9 @@ def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkey
     stand_in_cuda_graphs(monkeypatch)
     original = type(graphs)._capture
 
-    def recording(self, shape, pool, cut=True):
+    def recording(self, shape, pool):
         captured_order.append(shape)
-        return original(self, shape, pool, cut)
+        return original(self, shape, pool)
 
     monkeypatch.setattr(type(graphs), "_capture", recording)
     graphs.capture = True
@@ -224,8 +224,6 @@ def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkey
     num_moe = len(engine.model_config.moe_layer_ids)
     assert set(graphs.captured) == set(graphs.shapes) and any(s.mixed for s in graphs.shapes)
     assert [s.tokens for s in captured_order] == sorted((s.tokens for s in captured_order), reverse=True)
-    assert set(graphs.whole) == {s for s in graphs.shapes if not s.mixed}  # the default policy may run hook-free
-    assert all(len(c.graphs) == 1 and len(c.points) == num_moe for c in graphs.whole.values())
     assert all(len(c.graphs) == num_moe + 1 and len(c.points) == num_moe for c in graphs.captured.values())
     seen = []
     ids, starts = torch.tensor([5, 6, 7], dtype=torch.int64), torch.tensor([0, 3], dtype=torch.int32)
@@ -235,42 +233,6 @@ def test_the_capture_branch_runs_every_shape_with_stand_in_graphs(family, monkey
     logits = graphs.run(inputs, lambda layer, hidden, topk_ids: seen.append(topk_ids.shape[0]), shape)
     assert shape.mixed and logits.shape == (1, engine.model_config.vocab_size)
     assert seen == [3] * num_moe and all(g.replays == 1 for g in graphs.captured[shape].graphs)
-
-
-def test_a_decode_step_without_a_hook_replays_its_whole_graph(family, monkeypatch):
-    """The default policy with every expert resident: a decode step that runs no hook replays the shape's one whole
-    graph (no piece), counting its routing there; a step with a hook replays the pieces, as offloading needs."""
-    from rimuru.model_runner import StepInputs
-
-    folder, prompts, _ = family
-    engine, _ = run(folder, prompts[:1], cuda_graphs=True, max_num_seqs=16, max_num_batched_tokens=200)
-    graphs = engine.runner.graphs
-    stand_in_cuda_graphs(monkeypatch)
-    graphs.capture = True
-    graphs.capture_all(progress=False)
-    inputs = StepInputs(torch.tensor([5]), torch.arange(1), torch.zeros(1, dtype=torch.int64),
-                        torch.tensor([0, 1], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
-                        torch.tensor([0]), [0])  # fmt: skip  # one decode
-    shape, seen = graphs.shape_for(inputs), []
-    whole, pieces = graphs.whole[shape].graphs, graphs.captured[shape].graphs
-    graphs.run(inputs, None, shape)
-    assert [g.replays for g in whole] == [1] and not any(g.replays for g in pieces)
-    graphs.run(inputs, lambda layer, hidden, topk_ids: seen.append(layer), shape)
-    assert [g.replays for g in whole] == [1] and all(g.replays == 1 for g in pieces)
-    assert seen == list(engine.model_config.moe_layer_ids)
-
-
-def test_the_fixed_policy_captures_no_whole_graphs(family, monkeypatch):
-    """Copying its offloaded experts (expert_reads="copy"), the fixed policy runs a hook every step: whole graphs
-    would never replay."""
-    folder, prompts, _ = family
-    engine, _ = run(folder, prompts[:1], expert_policy="fixed", offload_per_layer=2, expert_reads="copy",
-                    cuda_graphs=True, max_num_seqs=16, max_num_batched_tokens=200)  # fmt: skip
-    graphs = engine.runner.graphs
-    stand_in_cuda_graphs(monkeypatch)
-    graphs.capture = True
-    graphs.capture_all(progress=False)
-    assert graphs.captured and not graphs.whole
 
 
 def test_a_resident_engine_captures_each_shape_whole(family, monkeypatch):
