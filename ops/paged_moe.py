@@ -31,7 +31,7 @@ import triton.language as tl
 from rimuru.ops import reference
 from rimuru.ops.configs import moe_config
 from rimuru.ops.dependent_launch import launch_options, pdl_supported, wait_for_prior_grid
-from rimuru.ops.exact_dot import dot_into
+from rimuru.ops.exact_dot import dot
 from rimuru.ops.moe_align import gemm_layout
 from rimuru.ops.topk_sum import topk_sum
 
@@ -115,8 +115,8 @@ def _gate_up_kernel(
         m_k = o_k < hidden_size - k * BLOCK_K
         b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0, eviction_policy=ROW_EVICT)
         m_w = m_k[:, None] & m_n[None, :]
-        b_gate = dot_into(b_a, tl.load(p_g, mask=m_w, other=0.0, eviction_policy=WEIGHT_EVICT), b_gate)
-        b_up = dot_into(b_a, tl.load(p_u, mask=m_w, other=0.0, eviction_policy=WEIGHT_EVICT), b_up)
+        b_gate = dot(b_a, tl.load(p_g, mask=m_w, other=0.0, eviction_policy=WEIGHT_EVICT), b_gate)
+        b_up = dot(b_a, tl.load(p_u, mask=m_w, other=0.0, eviction_policy=WEIGHT_EVICT), b_up)
         p_a += BLOCK_K
         p_g += BLOCK_K
         p_u += BLOCK_K
@@ -163,7 +163,7 @@ def _down_kernel(
         m_k = o_k < num_features - k * BLOCK_K
         b_a = tl.load(p_a, mask=m_m[:, None] & m_k[None, :], other=0.0, eviction_policy=ROW_EVICT)
         b_w = tl.load(p_w, mask=m_k[:, None] & m_n[None, :], other=0.0, eviction_policy=WEIGHT_EVICT)
-        b_acc = dot_into(b_a, b_w, b_acc)
+        b_acc = dot(b_a, b_w, b_acc)
         p_a += BLOCK_K
         p_w += BLOCK_K
     b_weight = tl.load(p_weights + b_pair, mask=m_m, other=0.0).to(tl.float32)  # router weights in fp32
