@@ -12,6 +12,7 @@ the merged table in $OUT. VS_TP=N splits both engines over N GPUs (tensor parall
 routing that leaves cold experts cold, which vLLM's own dummy weights never do.
 """
 
+import json
 import re
 import shutil
 from collections import Counter
@@ -19,6 +20,7 @@ from pathlib import Path
 
 from tools.session import Session, first_line
 from tools.sweeps import policy_spec
+from tools.vs_vllm.vllm_memory import vllm_memory
 
 STREAMS = ".bench/stream-400-r10.jsonl .bench/stream-200-r0.jsonl"
 LAST = Path("/tmp/vllm-last")  # the last call's vLLM records, VS_VLLM_RECORDS for a later call
@@ -83,8 +85,18 @@ def run_vllm(s: Session, folder: Path, streams: list[str]) -> None:
               "--tensor-parallel-size", s.knob("VS_TP", "1"), "--out-dir", str(folder),
               *(arg for stream in streams for arg in ("--stream", stream))]  # fmt: skip
     s.run(["bash", "-c", f'source {VSITE_ENV} && exec "$@"', "_", *replay], log=folder / "vllm.log")
+    s.do("vLLM's memory, from its log, into its records", lambda: _record_vllm_memory(folder))
     s.do("print vLLM's throughput lines", lambda: _print_vllm(s, folder))
     s.do(f"cp {folder}/vllm-*.json {LAST}/ (VS_VLLM_RECORDS for a later call)", lambda: _keep_last(folder))
+
+
+def _record_vllm_memory(folder: Path) -> None:
+    """Each vLLM record of the call gets `memory`: what its start-up log says it holds (one start-up serves them all)."""
+    log = folder / "vllm.log"
+    memory = vllm_memory(log.read_text(errors="replace")) if log.is_file() else None
+    for path in folder.glob("vllm-*.json"):
+        record = json.loads(path.read_text())
+        path.write_text(json.dumps(record | {"memory": memory}, indent=1))
 
 
 def _print_vllm(s: Session, folder: Path) -> None:

@@ -37,6 +37,8 @@ def run_of(policy: str, record: dict, call: str) -> dict:
     if engine == "rimuru":
         run["peak_reserved_gib"] = round(record["peak_reserved_bytes"] / 2**30, 3) if record.get("peak_reserved_bytes") else None
         run["commit"] = record.get("commit")
+    else:  # what vLLM's start-up log says it holds (tools/vs_vllm/vllm_memory.py), where the call kept it
+        run["peak_reserved_gib"] = (record.get("memory") or {}).get("reserved_gib")
     return run
 
 
@@ -66,14 +68,15 @@ def table(document: dict) -> str:
         vllm = {r["call"]: r["output_tokens_per_s"] for r in runs if r["engine"] == "vllm"}
         lines += [f"### {model}, {budget:g} GiB, {stream}", "",
                   "| call | engine | policy | output tok/s | x vLLM | mean TTFT s | p99 TTFT s | mean TPOT ms | "
-                  "preemptions | KV tokens | peak running |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "preemptions | KV tokens | peak running | reserved GiB |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
         for r in sorted(runs, key=lambda r: (r["call"], r["engine"] != "vllm", r["policy"])):
             ratio = r["output_tokens_per_s"] / vllm[r["call"]] if r["call"] in vllm else None
             lines.append(f"| {r['call']} | {r['engine']} | {r['policy']} | {r['output_tokens_per_s']:,.0f} | "
                          f"{_fmt(ratio, '.2f')} | {_fmt(r['ttft_mean_s'], '.3f')} | {_fmt(r['ttft_p99_s'], '.3f')} | "
                          f"{_fmt(r['tpot_mean_s'] and r['tpot_mean_s'] * 1e3, '.1f')} | {r['preemptions']} | "
-                         f"{_fmt(r['kv_tokens'], ',')} | {_fmt(r['peak_concurrency'], '')} |")  # fmt: skip
+                         f"{_fmt(r['kv_tokens'], ',')} | {_fmt(r['peak_concurrency'], '')} | "
+                         f"{_reserved(r.get('peak_reserved_gib'), budget)} |")  # fmt: skip
         ratios = _ratios(runs, vllm)
         if ratios:
             lines += ["", "Over vLLM, median of the calls: " + ", ".join(
@@ -88,6 +91,13 @@ def _ratios(runs: list[dict], vllm: dict) -> dict[str, list[float]]:
         if r["engine"] == "rimuru" and r["call"] in vllm:
             out.setdefault(r["policy"], []).append(r["output_tokens_per_s"] / vllm[r["call"]])
     return out
+
+
+def _reserved(gib: float | None, budget: float) -> str:
+    """The run's peak reserved GiB, marked where it passed the budget."""
+    if gib is None:
+        return "-"
+    return f"{gib:.2f}" + (" (over)" if gib > budget else "")
 
 
 def _fmt(value, spec: str) -> str:
