@@ -21,9 +21,9 @@ def test_vllm_memory_sums_the_parts_its_log_gives():
 
 
 def test_vllm_memory_takes_the_last_start_up_and_none_without_one():
-    second = USAGE.replace("0.6 GiB for peak", "0.22 GiB for peak").replace("use is 2.51", "use is 2.89")
-    assert vllm_memory(USAGE + "\n" + second)["reserved_gib"] == 30.64  # 26.67 + 0.22 + 0.22 + 0.64 + 2.89
-    assert vllm_memory(USAGE + "\n" + second)["kv_gib"] == 2.89
+    second = USAGE.replace("use is 2.51", "use is 2.89")
+    assert vllm_memory(USAGE + "\n" + second)["reserved_gib"] == 31.02  # 26.67 + 0.6 + 0.22 + 0.64 + 2.89
+    assert vllm_memory(second + "\n" + USAGE)["reserved_gib"] == 30.64
     assert vllm_memory("INFO GPU KV cache size: 13,712 tokens\n") is None
 
 
