@@ -47,7 +47,7 @@ INTERPRETER_SMS = 32  # CPU (Triton interpreter): a small GPU's worth, so test b
 @triton.jit
 def _split_kv_kernel(
     p_query, p_kv, p_page_table, p_seq_lens, p_query_start_loc, p_part_max, p_part_sum, p_part_acc,
-    num_heads, num_splits, head_dim, scale_log2,
+    num_heads, num_splits, head_dim, scale_log2, min_chunk,
     stride_qt, stride_qh,
     stride_kv_page, stride_kv_kind, stride_kv_token, stride_kv_head, stride_kv_dim, stride_table,
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -58,7 +58,7 @@ def _split_kv_kernel(
     num_queries = tl.load(p_query_start_loc + i_b + 1) - q_start
     seq_len = tl.load(p_seq_lens + i_b)
     context = seq_len - num_queries
-    chunk = tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    chunk = tl.maximum(tl.cdiv(tl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N, min_chunk)
     n_lo = i_s * chunk
 
     o_m = tl.arange(0, BLOCK_Q * GROUP_PAD)
@@ -145,7 +145,8 @@ def split_kv_attention_triton(
     group, head_dim_pad = num_heads // num_kv_heads, max(16, triton.next_power_of_2(head_dim))
     _split_kv_kernel[(num_requests, num_kv_heads, num_splits)](
         query, kv_view, page_table, seq_lens, query_start_loc, part_max, part_sum, part_acc,
-        num_heads, num_splits, head_dim, scale * LOG2_E, query.stride(0), query.stride(1), *kv_view.stride(),
+        num_heads, num_splits, head_dim, scale * LOG2_E, config.get("MIN_CHUNK", 0), query.stride(0), query.stride(1),
+        *kv_view.stride(),
         page_table.stride(0),
         GROUP=group, GROUP_PAD=triton.next_power_of_2(group), BLOCK_Q=config["BLOCK_Q"], BLOCK_N=config["BLOCK_N"],
         PAGE_TOKENS=page_tokens, HEAD_DIM_PAD=head_dim_pad, PREFETCH_PAGES=config.get("PREFETCH_PAGES", False),

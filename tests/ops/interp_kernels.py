@@ -144,11 +144,12 @@ RAGGED_DECODE = [(0, 1), (15, 1), (40, 1), (3, 1), (63, 1), (23, 1)]  # 1 to 64 
 
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(2, 2), (8, 2)])
 @pytest.mark.parametrize("num_splits", [2, 3, 9])  # 9: more splits than any request has pages
-def test_split_kv_decode(num_heads, num_kv_heads, num_splits):
+@pytest.mark.parametrize("min_chunk", [0, 32])  # 32: long requests use fewer, longer splits, the rest stay empty
+def test_split_kv_decode(num_heads, num_kv_heads, num_splits, min_chunk):
     case = attention_case(RAGGED_DECODE, num_heads, num_kv_heads, 32, page_tokens=8, seed=num_splits)
     ref = reference.paged_attention(*case.args())
     cfg = {"BLOCK_Q": 16 // (num_heads // num_kv_heads), "BLOCK_N": 16, "num_warps": 4, "num_stages": 1,
-           "NUM_SPLITS": num_splits}
+           "NUM_SPLITS": num_splits, "MIN_CHUNK": min_chunk}
     tri = paged_attention_triton(*case.args(), config=cfg)
     torch.testing.assert_close(tri, ref, rtol=1e-4, atol=1e-4)
 

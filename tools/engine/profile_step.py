@@ -32,6 +32,11 @@ def fill(engine: Engine, requests: list[dict], max_tokens: int = 4096) -> None:
         engine.step()
 
 
+def cycled(tokens: list[int], length: int) -> list[int]:
+    """`tokens` repeated to `length` tokens: a decode step at a drain's long contexts from any stream's prompts."""
+    return (tokens * -(-length // len(tokens)))[:length]
+
+
 def timed_steps(engine: Engine, steps: int) -> float:
     _sync()
     start = time.perf_counter()
@@ -94,10 +99,14 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
     parser.add_argument("--max-tokens", type=int, default=4096, help="each request's allowance (sizes the batch)")
+    parser.add_argument("--context", type=int, default=None, help="every prompt cycled to this many tokens")
     add_engine_arguments(parser)
     args = parser.parse_args()
     engine = Engine(EngineConfig(model=args.model, **engine_options(args)))
-    fill(engine, read_stream(args.stream, args.num_requests), args.max_tokens)
+    requests = read_stream(args.stream, args.num_requests)
+    if args.context:
+        requests = [r | {"prompt_token_ids": cycled(r["prompt_token_ids"], args.context)} for r in requests]
+    fill(engine, requests, args.max_tokens)
     timed_steps(engine, 3)  # warm-up
     print(f"decode step, {len(engine.scheduler.running)} running: {timed_steps(engine, args.steps) * 1e3:.2f} ms")
     for label, ms in host_phases(engine, args.steps).items():

@@ -48,20 +48,23 @@ def main() -> None:
     parser.add_argument("--stream", required=True)
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--out", required=True)
+    parser.add_argument("--context", type=int, default=None, help="every prompt cycled to this many tokens")
     args = parser.parse_args()
     import torch
 
     with open(args.stream) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
+    if args.context:  # as tools/engine/profile_step.py's --context
+        prompts = [(p * -(-args.context // len(p)))[: args.context] for p in prompts]
     utilization = args.budget_gib * 2**30 / torch.cuda.get_device_properties(0).total_memory
     engine = LLMEngine.from_engine_args(EngineArgs(
         model=args.model, load_format="dummy", skip_tokenizer_init=True, dtype="bfloat16",
         gpu_memory_utilization=utilization, max_num_seqs=max(args.batch), enable_prefix_caching=False,
-        max_model_len=2048, seed=0))  # fmt: skip
+        max_model_len=max(2048, (args.context or 0) + STEPS + 128), seed=0))  # fmt: skip
     rows = []
     for batch in args.batch:
         ms = decode_step_ms(engine, prompts[:batch], STEPS, f"b{batch}")
-        rows.append({"engine": "vllm", "batch": batch, "decode_step_ms": round(ms, 3)})
+        rows.append({"engine": "vllm", "batch": batch, "context": args.context, "decode_step_ms": round(ms, 3)})
         print(f"decode step, {batch} running: {ms:.2f} ms", flush=True)
     with open(args.out, "w") as f:
         json.dump({"model": args.model, "budget_gib": args.budget_gib, "rows": rows}, f, indent=1)

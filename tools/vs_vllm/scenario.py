@@ -153,21 +153,24 @@ def startup_lines(folder: Path) -> str:
 
 def stepvs(s: Session) -> int:
     """The decode step of vLLM and of Rimuru (all experts resident) at each of STEP_BATCHES (1 16 64 256) requests,
-    from the same stream, at STEP_BUDGET (120 GiB: room for every batch in both engines); vLLM's parts as for
-    vsvllm. Lines "decode step, N running: X ms" of both."""
+    from the same stream, at STEP_BUDGET (120 GiB: room for every batch in both engines), every prompt cycled to
+    STEP_CONTEXT tokens where given (a drain's long contexts); vLLM's parts as for vsvllm. Lines "decode step, N
+    running: X ms" of both."""
     batches = s.knob("STEP_BATCHES", "1 16 64 256").split()
     s = s.with_knobs(BUDGET=s.knob("STEP_BUDGET", "120GiB"))
     if not VSITE_ENV.is_file() and s.run(["bash", ".peers/vllm/install.sh", ".peers/vllm/bin"],
                                          log=s.out / "vllm-install.log") != 0:  # fmt: skip
         return 1
+    context = ["--context", s.knob("STEP_CONTEXT")] if s.knob("STEP_CONTEXT") else []
     step = ["python", "tools/vs_vllm/decode_step.py", s.model, "--budget-gib", s.budget.removesuffix("GiB"),
-            "--stream", s.stream, "--batch", *batches, "--out", s.out / "vllm-decode-steps.json"]  # fmt: skip
+            "--stream", s.stream, "--batch", *batches, *context, "--out", s.out / "vllm-decode-steps.json"]  # fmt: skip
     s.run(["bash", "-c", f'source {VSITE_ENV} && exec "$@"', "_", *step], log=s.out / "vllm-decode-steps.txt",
           timeout_s=420, show=lambda text: "\n".join(x for x in text.splitlines() if x.startswith("decode step")))  # fmt: skip
     for batch in batches:
         log = s.out / f"rimuru-decode-step-{batch}.txt"
         s.run(s.tool("tools.engine.profile_step", s.model, *s.dummy, "--stream", s.stream, "--steps", "20",
-                     "--num-requests", batch, "--expert-policy", "resident", "--gpu-memory-budget", s.budget),
+                     "--num-requests", batch, "--expert-policy", "resident", "--gpu-memory-budget", s.budget,
+                     *context),
               log=log, timeout_s=150)  # fmt: skip
         s.say(f"rimuru {first_line(log, 'decode step')}")
     return 0
