@@ -83,6 +83,12 @@ def variants(heads, batch, context, smoke):
                     lambda a, cfg=cfg: split_kv_attention_triton(*a, cfg),
                 )
             )
+    for splits in [] if smoke else [4, 8, 16, 32]:  # many splits, kept long on short contexts
+        for min_chunk, tile in [(m, t) for m in MIN_CHUNKS[:2] for t in ((64, 4, 3), (128, 8, 2))]:
+            cfg = {"BLOCK_Q": max(1, 16 // triton.next_power_of_2(group)), "BLOCK_N": tile[0], "num_warps": tile[1],
+                   "num_stages": tile[2], "NUM_SPLITS": splits, "PREFETCH_PAGES": True, "MIN_CHUNK": min_chunk}  # fmt: skip
+            rows.append((f"split {splits}, min chunk {min_chunk}, tile {tile}",
+                         lambda a, cfg=cfg: split_kv_attention_triton(*a, cfg)))  # fmt: skip
     return rows
 
 
