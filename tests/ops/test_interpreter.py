@@ -111,3 +111,19 @@ def test_the_sorts_kernels_compile_for_the_h200_without_spilling():
     taken = [r for r in rows if r.startswith(("E=60 tile=128", "E=128 tile=64"))]
     for row in taken:
         assert " STACK:0" in row and " LOCAL:0" in row, row
+
+
+def test_small_batch_attention_sweep_runs(tmp_path):
+    """`tools/kernels/small_batch_attention.py --smoke`: every variant it times (the dispatcher, the unsplit kernel,
+    split counts and minimum split lengths) is checked against the fp32 reference first and passes."""
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    out = tmp_path / "sba.json"
+    cmd = [sys.executable, "-m", "tools.kernels.small_batch_attention", "--smoke", "--models", "qwen3-30b-a3b",
+           "--out", str(out)]  # fmt: skip
+    done = subprocess.run(cmd, env=env, cwd=HERE.parents[1], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    rows = json.loads(out.read_text())["rows"]
+    assert [r for r in rows if "error" in r] == []
+    names = [r["name"] for r in rows]
+    assert names[:2] == ["dispatcher", "decode kernel, unsplit"] and any(n.startswith("split 2") for n in names)
+    assert all(r["rel_err"] < 1e-5 for r in rows)

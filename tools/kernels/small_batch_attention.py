@@ -132,14 +132,17 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default="small_batch_attention.json")
     parser.add_argument("--smoke", action="store_true", help="CPU logic check under TRITON_INTERPRET=1")
+    parser.add_argument("--models", nargs="+", default=list(HEADS), choices=list(HEADS))
+    parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
+    parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     args = parser.parse_args()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     report = {"argv": sys.argv, "torch": torch.__version__, "commit": os.environ.get("RIMURU_COMMIT", "unknown")}
     if not args.smoke:
         report |= {"gpu": torch.cuda.get_device_name(), "triton": triton.__version__, "copy_tb_per_s": copy_bandwidth()}
         print(f"device-to-device copy: {report['copy_tb_per_s']:.2f} TB/s", flush=True)
-    shapes = [(m, 2, 40) for m in HEADS] if args.smoke else [(m, b, c) for m in HEADS for c in CONTEXTS
-                                                              for b in BATCHES]  # fmt: skip
+    shapes = [(m, 2, 40) for m in args.models] if args.smoke else [
+        (m, b, c) for m in args.models for c in args.contexts for b in args.batches]  # fmt: skip
     report["rows"] = []
     for model, batch, context in shapes:
         table_tokens = 64 if args.smoke else TABLE_TOKENS[model]
