@@ -25,13 +25,7 @@ import triton.language as tl
 from rimuru.ops import reference
 from rimuru.ops.attention_tiles import attend_pages
 from rimuru.ops.decode_attention import decode_attention_triton, decode_config
-from rimuru.ops.split_kv_attention import (
-    LOG2_E,
-    MIN_SPLIT_TOKENS,
-    decode_splits,
-    num_sms,
-    split_kv_attention_triton,
-)
+from rimuru.ops.split_kv_attention import LOG2_E, decode_splits, num_sms, split_kv_attention_triton
 
 
 @triton.jit
@@ -99,7 +93,7 @@ def attention_config(num_tokens: int, num_requests: int, group: int, num_splits:
         block_n = 128 if element_size <= 2 else 64
         decode = decode_config(BLOCK_N=block_n, HEADS_FASTEST=True, EVEN_TILES=True, PREFETCH_PAGES=True)
         return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": block_n, "num_warps": 8, "num_stages": 2,
-                "NUM_SPLITS": num_splits, "MIN_CHUNK": MIN_SPLIT_TOKENS, "DECODE": decode if num_splits == 1 else None}
+                "NUM_SPLITS": num_splits, "DECODE": decode if num_splits == 1 else None}
     return {"BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "NUM_SPLITS": 1}
 
 

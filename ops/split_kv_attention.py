@@ -36,10 +36,10 @@ from rimuru.ops.attention_tiles import attend_pages
 
 LOG2_E = 1.4426950408889634
 PROGRAMS_PER_SM = 4  # programs wanted per streaming multiprocessor once a batch is split
-# Split while the unsplit kernel has under 1.5 programs an SM: one program streams one request's K/V with a couple of
-# tiles in flight, too few for an SM's share of HBM (kernels.md: 36-45% of the copy rate at B = 8 and 32, Hk = 4).
-MAX_UNSPLIT_PROGRAMS_PER_SM = 1.5
-MIN_SPLIT_TOKENS = 512  # no split shorter (on the device, from the real length): a few tiles for the pipeliner
+# Split only while the unsplit kernel would leave most SMs idle: on the H200 (kernels.md) splitting won at 4 and 32
+# unsplit programs (B=1 and B=8, Hk=4: -40% and -9%) and lost from 64 up (B=16: +6%, B=64: +64%, B=128: +47%).
+MAX_UNSPLIT_PROGRAMS_PER_SM = 0.25
+MIN_SPLIT_TOKENS = 256  # no more splits than this many tokens of the longest possible context each
 MAX_SPLITS = 64
 INTERPRETER_SMS = 32  # CPU (Triton interpreter): a small GPU's worth, so test batches of a few requests split
 
@@ -115,9 +115,9 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_requests: int, num_kv_heads: int, max_kv_tokens: int, sms: int) -> int:
-    """Splits a request's K/V: 1 when B * Hk programs already give each of `sms` 1.5, else a power of two that fills
-    `sms` with programs, capped by the longest context."""
-    if num_requests * num_kv_heads >= MAX_UNSPLIT_PROGRAMS_PER_SM * sms:
+    """Splits a request's K/V: 1 when B * Hk programs already cover a quarter of `sms`, else a power of two that
+    fills `sms` with programs, capped by the longest context."""
+    if num_requests * num_kv_heads > MAX_UNSPLIT_PROGRAMS_PER_SM * sms:
         return 1
     wanted = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * sms, max(1, num_requests * num_kv_heads)))
     return max(1, min(wanted, triton.cdiv(max_kv_tokens, MIN_SPLIT_TOKENS), MAX_SPLITS))
