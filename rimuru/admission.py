@@ -21,6 +21,7 @@ import numpy as np
 from rimuru.request import Request
 
 RATIO_WEIGHT = 1 / 32  # a finished request's weight in the running mean of the share of max_tokens used
+DIRECT_MAX_REQUESTS = 16  # up to this many, the definition in plain Python beats numpy's call overhead
 
 
 class GrowthForecast:
@@ -43,9 +44,16 @@ class GrowthForecast:
         """The most KV pages a layer the requests will hold at once, if none is preempted and none joins."""
         if not requests:
             return 0
-        tokens = np.fromiter((r.num_tokens for r in requests), dtype=np.int64, count=len(requests))  # c [n]
-        growth = np.fromiter((self.remaining(r) for r in requests), dtype=np.int64, count=len(requests))  # r [n]
-        return peak_demand(tokens, growth, self.page_tokens)
+        tokens = [r.num_tokens for r in requests]  # c [n]
+        growth = [self.remaining(r) for r in requests]  # r [n]
+        if len(requests) <= DIRECT_MAX_REQUESTS:  # a drain's few requests: the step's whole adjuster round otherwise
+            return peak_demand_direct(tokens, growth, self.page_tokens)
+        return peak_demand(np.array(tokens, dtype=np.int64), np.array(growth, dtype=np.int64), self.page_tokens)
+
+
+def peak_demand_direct(tokens: list[int], growth: list[int], page: int) -> int:
+    """`peak_demand` by its definition, each end's sum in turn: O(n^2)."""
+    return max(sum((c + end + page - 1) // page for c, r in zip(tokens, growth) if r >= end) for end in set(growth))
 
 
 def peak_demand(tokens: np.ndarray, growth: np.ndarray, page: int) -> int:

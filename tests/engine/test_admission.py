@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from rimuru.admission import GrowthForecast, peak_demand
+from rimuru.admission import GrowthForecast, peak_demand, peak_demand_direct
 from rimuru.request import Request
 from rimuru.sampling_params import SamplingParams
 
@@ -30,7 +30,9 @@ def test_the_peak_comes_just_before_a_request_ends():
        st.sampled_from([1, 3, 16]))  # fmt: skip
 def test_peak_demand_equals_a_step_by_step_simulation(requests, page):
     tokens, growth = [c for c, _ in requests], [r for _, r in requests]
-    assert peak_demand(np.array(tokens), np.array(growth), page) == simulated_peak(tokens, growth, page)
+    peak = simulated_peak(tokens, growth, page)
+    assert peak_demand(np.array(tokens), np.array(growth), page) == peak
+    assert peak_demand_direct(tokens, growth, page) == peak  # the small batches' path
 
 
 def request(prompt: int, max_tokens: int, generated: int = 0) -> Request:
