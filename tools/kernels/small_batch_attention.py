@@ -1,7 +1,7 @@
 """Decode attention at the batches of a stream's drain (1 to 64 requests, long contexts): the engine's dispatch against
 the unsplit decode kernel and split-KV at each split count and tile, both models' head layouts, one GPU run.
 
-    python -m tools.kernels.small_batch_attention --out small_batch_attention.json      # on a CUDA GPU, ~3 min
+    python -m tools.kernels.small_batch_attention --out small_batch_attention.json      # on a CUDA GPU (not yet run there)
     TRITON_INTERPRET=1 python -m tools.kernels.small_batch_attention --smoke            # logic check on CPU
 
 A row is a call's share of a CUDA graph of LAYERS calls, each over a K/V set of its own (as a step's graph calls
@@ -22,7 +22,7 @@ import triton
 from rimuru.ops import reference
 from rimuru.ops.decode_attention import decode_attention_triton
 from rimuru.ops.paged_attention import attention_config, default_config, paged_attention_triton
-from rimuru.ops.split_kv_attention import split_kv_attention_triton
+from rimuru.ops.split_kv_attention import num_sms, split_kv_attention_triton
 from tools.kernels.bench import copy_bandwidth, time_graph_ms, time_ms
 
 HEADS = {"qwen3-30b-a3b": (32, 4, 128), "qwen1.5-moe": (16, 16, 128)}  # Hq, Hk, Dh
@@ -59,36 +59,31 @@ def kv_bytes(heads, batch, context) -> int:
     return 2 * batch * context * num_kv_heads * head_dim * 2
 
 
-def variants(heads, batch, context, smoke):
+def split_config(group, tile, splits, min_chunk=0) -> dict:
+    block_n, warps, stages = tile
+    return {"BLOCK_Q": max(1, 16 // triton.next_power_of_2(group)), "BLOCK_N": block_n, "num_warps": warps,
+            "num_stages": stages, "NUM_SPLITS": splits, "PREFETCH_PAGES": True, "MIN_CHUNK": min_chunk}  # fmt: skip
+
+
+def variants(heads, batch, context, sms, smoke):
     """(name, launcher(args) -> out) for the rows of one shape."""
     num_heads, num_kv_heads, _ = heads
     group = num_heads // num_kv_heads
     decode = attention_config(batch, batch, group)["DECODE"]
-    rows = [
-        ("dispatcher", lambda a: paged_attention_triton(*a)),
-        ("decode kernel, unsplit", lambda a: decode_attention_triton(*a[:4], a[5], decode)[0]),
-    ]
+    rows = [("dispatcher", lambda a: paged_attention_triton(*a)),
+            ("decode kernel, unsplit", lambda a: decode_attention_triton(*a[:4], a[5], decode)[0])]  # fmt: skip
     for min_chunk in MIN_CHUNKS:  # the dispatcher's split count, no split shorter than min_chunk tokens
         rows.append((f"dispatcher, min chunk {min_chunk}", lambda a, mc=min_chunk: paged_attention_triton(
             *a, config=default_config(*a[:3], batch) | {"MIN_CHUNK": mc})))  # fmt: skip
+    tiles, long_tiles = ([(16, 4, 2)], []) if smoke else (TILES, [(64, 4, 3), (128, 8, 2)])
     for splits in [2] if smoke else SPLITS:
-        if not smoke and (splits * 128 > 2 * context or batch * num_kv_heads * splits > 16 * 132):
-            continue
-        for block_n, warps, stages in [(16, 4, 2)] if smoke else TILES:
-            cfg = {"BLOCK_Q": max(1, 16 // triton.next_power_of_2(group)), "BLOCK_N": block_n, "num_warps": warps,
-                   "num_stages": stages, "NUM_SPLITS": splits, "PREFETCH_PAGES": True}  # fmt: skip
-            rows.append(
-                (
-                    f"split {splits}, tile {(block_n, warps, stages)}",
-                    lambda a, cfg=cfg: split_kv_attention_triton(*a, cfg),
-                )
-            )
-    for splits in [] if smoke else [4, 8, 16, 32]:  # many splits, kept long on short contexts
-        for min_chunk, tile in [(m, t) for m in MIN_CHUNKS[:2] for t in ((64, 4, 3), (128, 8, 2))]:
-            cfg = {"BLOCK_Q": max(1, 16 // triton.next_power_of_2(group)), "BLOCK_N": tile[0], "num_warps": tile[1],
-                   "num_stages": tile[2], "NUM_SPLITS": splits, "PREFETCH_PAGES": True, "MIN_CHUNK": min_chunk}  # fmt: skip
-            rows.append((f"split {splits}, min chunk {min_chunk}, tile {tile}",
-                         lambda a, cfg=cfg: split_kv_attention_triton(*a, cfg)))  # fmt: skip
+        if not smoke and (splits * 128 > 2 * context or batch * num_kv_heads * splits > 16 * sms):
+            continue  # splits of under 64 tokens, or far more programs than the GPU runs at once
+        configs = [(f"tile {t}", split_config(group, t, splits)) for t in tiles]
+        configs += [(f"min chunk {m}, tile {t}", split_config(group, t, splits, m)) for m in MIN_CHUNKS[:2]
+                    for t in long_tiles]  # fmt: skip
+        rows += [(f"split {splits}, {label}", lambda a, cfg=cfg: split_kv_attention_triton(*a, cfg))
+                 for label, cfg in configs]  # fmt: skip
     return rows
 
 
@@ -100,7 +95,7 @@ def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, cop
     ref = reference.paged_attention(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
                                       for a in narrow[0]])  # fmt: skip
     rows = []
-    for name, launch in variants(heads, batch, context, smoke):
+    for name, launch in variants(heads, batch, context, num_sms(torch.device(device)), smoke):
         sets = wide if name.startswith("dispatcher") else narrow
         row = {"model": model, "batch": batch, "context": context, "name": name}
         try:
@@ -119,9 +114,8 @@ def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, cop
             row["of_copy"] = row["tb_per_s"] / copy_tb_per_s
         rows.append(row)
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
-    for r in [r for r in rows if r["name"] == "dispatcher" and "us" in r] + [
-        r for r in timed[:3] if r["name"] != "dispatcher"
-    ]:
+    dispatcher = [r for r in timed if r["name"] == "dispatcher"]
+    for r in dispatcher + [r for r in timed[:3] if r["name"] != "dispatcher"]:  # the engine's, then the fastest
         share = f" {100 * r['of_copy']:.0f}%" if "of_copy" in r else ""
         print(f"{model} B={batch} ctx={context} {r['name']}: {r['us']:.1f} us {r['tb_per_s']:.2f} TB/s{share}",
               flush=True)  # fmt: skip
