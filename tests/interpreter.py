@@ -13,12 +13,20 @@ from pathlib import Path
 ROOT = Path(__file__).parents[1]
 
 
-def pytest_under_interpreter(module: Path) -> None:
-    """Run `module`'s tests with TRITON_INTERPRET=1; every one must pass, none skip."""
+def workers() -> list[str]:
+    """pytest-xdist's flag for one worker a core: the interpreter runs a kernel on one core while the parent only
+    waits. Not for the engine's module: its few tests use torch's threads, and two of them at once run slower."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+    return ["-n", str(cores)] if cores > 1 else []
+
+
+def pytest_under_interpreter(module: Path, parallel: bool = False) -> None:
+    """Run `module`'s tests with TRITON_INTERPRET=1, across the cores if `parallel`; every one must pass, none skip."""
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     # -P: the repository root must not come first on sys.path, or its `rimuru/` folder (without ops/) shadows the
     # package laid out on PYTHONPATH and an editable install elsewhere supplies `rimuru.ops` instead
-    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", str(module)]
+    cmd = [sys.executable, "-P", "-m", "pytest", "-q", "-p", "no:cacheprovider", *(workers() if parallel else []),
+           str(module)]  # fmt: skip
     done = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stdout[-8000:] + done.stderr[-4000:]
     assert " passed" in done.stdout and "skipped" not in done.stdout.splitlines()[-1], done.stdout[-2000:]

@@ -13,7 +13,7 @@ HERE = Path(__file__).parent
 
 
 def test_kernels_under_triton_interpreter():
-    pytest_under_interpreter(HERE / "interp_kernels.py")
+    pytest_under_interpreter(HERE / "interp_kernels.py", parallel=True)
 
 
 def test_direct_reads_benchmark_runs_and_matches_resident(tmp_path):
