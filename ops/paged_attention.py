@@ -91,9 +91,12 @@ def attention_config(num_tokens: int, num_requests: int, group: int, num_splits:
     group_pad = triton.next_power_of_2(group)
     if num_tokens <= num_requests:
         block_n = 128 if element_size <= 2 else 64
+        if num_splits > 1:  # short chunks: 64-token tiles, four warps, three stages (kernels.md, small batches)
+            return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": block_n // 2, "num_warps": 4, "num_stages": 3,
+                    "NUM_SPLITS": num_splits}
         decode = decode_config(BLOCK_N=block_n, HEADS_FASTEST=True, EVEN_TILES=True, PREFETCH_PAGES=True)
         return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": block_n, "num_warps": 8, "num_stages": 2,
-                "NUM_SPLITS": num_splits, "DECODE": decode if num_splits == 1 else None}
+                "NUM_SPLITS": 1, "DECODE": decode}
     return {"BLOCK_Q": max(1, 64 // group_pad), "BLOCK_N": 64, "num_warps": 4, "num_stages": 2, "NUM_SPLITS": 1}
 
 

@@ -17,12 +17,13 @@ Partials (fp32; row = (token, query head)), merged in log2 units:
     part_max, part_sum  [T, Hq, NUM_SPLITS]      part_acc  [T, Hq, NUM_SPLITS, Dh]
     out = sum_s 2^(m_s - M) acc_s / sum_s 2^(m_s - M) l_s,   M = max_s m_s
 
-The number of splits comes from shapes only (no host sync): enough programs to fill the GPU, at most one split per
-MIN_SPLIT_TOKENS of the longest possible context (page table width * page tokens). Every program loops over its
+The number of splits comes from shapes only (no host sync): about one program an SM, at most one split per
+MIN_SPLIT_TOKENS of the longest possible context (page table width * page tokens); the chunk comes from the real
+length on the device, so a short request in a wide table still spreads over all its splits. Every program loops over its
 request's query blocks, so any batch is computed correctly, but prefill chunks would redo the split bookkeeping for
 nothing: the dispatcher sends only decode batches here.
 
-Faster than the unsplit kernel for few, long requests and slower from B * Hk = 64 programs up, so not used there
+Faster than the unsplit kernel below about one and a half programs an SM and slower from two up, so not used there
 (the timings are in docs/benchmarks/kernels.md).
 """
 
@@ -35,11 +36,10 @@ import triton.language as tl
 from rimuru.ops.attention_tiles import attend_pages
 
 LOG2_E = 1.4426950408889634
-PROGRAMS_PER_SM = 4  # programs wanted per streaming multiprocessor once a batch is split
-# Split only while the unsplit kernel would leave most SMs idle: on the H200 (kernels.md) splitting won at 4 and 32
-# unsplit programs (B=1 and B=8, Hk=4: -40% and -9%) and lost from 64 up (B=16: +6%, B=64: +64%, B=128: +47%).
-MAX_UNSPLIT_PROGRAMS_PER_SM = 0.25
-MIN_SPLIT_TOKENS = 256  # no more splits than this many tokens of the longest possible context each
+# Split while the unsplit kernel has under 1.5 programs an SM (one program streams one request's K/V, too little for an
+# SM's share of HBM), into about one program an SM: fewer, longer chunks beat four an SM (kernels.md, small batches).
+MAX_UNSPLIT_PROGRAMS_PER_SM = 1.5
+MIN_SPLIT_TOKENS = 64  # no more splits than this many tokens of the longest possible context each: one K/V tile
 MAX_SPLITS = 64
 INTERPRETER_SMS = 32  # CPU (Triton interpreter): a small GPU's worth, so test batches of a few requests split
 
@@ -115,11 +115,12 @@ def num_sms(device: torch.device) -> int:
 
 
 def decode_splits(num_requests: int, num_kv_heads: int, max_kv_tokens: int, sms: int) -> int:
-    """Splits a request's K/V: 1 when B * Hk programs already cover a quarter of `sms`, else a power of two that
-    fills `sms` with programs, capped by the longest context."""
-    if num_requests * num_kv_heads > MAX_UNSPLIT_PROGRAMS_PER_SM * sms:
+    """Splits a request's K/V: 1 when B * Hk programs already give each of `sms` 1.5, else the power of two (at
+    least 2) that brings the programs closest to one an SM from below, capped by the longest context."""
+    programs = num_requests * num_kv_heads
+    if programs >= MAX_UNSPLIT_PROGRAMS_PER_SM * sms:
         return 1
-    wanted = triton.next_power_of_2(triton.cdiv(PROGRAMS_PER_SM * sms, max(1, num_requests * num_kv_heads)))
+    wanted = max(2, 1 << max(0, (sms // max(1, programs)).bit_length() - 1))
     return max(1, min(wanted, triton.cdiv(max_kv_tokens, MIN_SPLIT_TOKENS), MAX_SPLITS))
 
 

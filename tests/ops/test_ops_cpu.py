@@ -125,13 +125,17 @@ def test_h200_table_covers_both_models_and_lookup_picks_the_bucket_below():
 
 
 @pytest.mark.parametrize("num_requests,num_kv_heads,max_kv_tokens,num_splits", [
-    (64, 4, 1024, 1),  # the H200 decode benchmark: 256 programs are enough (split 4 measured 64% slower)
-    (8, 4, 4096, 16),  # 32 programs -> 512 (measured 9% faster than unsplit)
-    (16, 4, 2048, 1),  # 64 programs: unsplit measured 6% faster
+    (64, 4, 1024, 1),  # 256 programs, about two an SM: the unsplit kernel
+    (32, 4, 40960, 2),  # 128 programs, under 1.5 an SM: split at least in two
+    (16, 4, 40960, 2),  # 64 programs: two splits give 128, the most under 132
+    (8, 4, 4096, 4),  # 32 -> 128
+    (4, 4, 2048, 8),  # 16 -> 128
+    (8, 16, 8192, 2),  # Qwen1.5-MoE's 16 kv heads: 128 programs
     (256, 4, 1024, 1),  # enough programs already: the unsplit kernel
-    (64, 4, 200, 1),  # short contexts are not split
+    (2, 4, 128, 2),  # 8 programs want 16 splits; a 128-token table holds two 64-token splits
+    (1, 4, 64, 1),  # one tile of context: nothing to split
     (1, 1, 1 << 20, 64),  # capped
-    (1, 4, 8192, 32),  # B=1: measured 40% faster than unsplit
+    (1, 4, 8192, 32),  # B=1: 4 programs -> 128
 ])
 def test_decode_splits_fill_an_h200_from_shapes(num_requests, num_kv_heads, max_kv_tokens, num_splits):
     from rimuru.ops.split_kv_attention import decode_splits
