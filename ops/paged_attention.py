@@ -93,7 +93,7 @@ def attention_config(num_tokens: int, num_requests: int, group: int, num_splits:
         block_n = 128 if element_size <= 2 else 64
         if num_splits > 1:  # short chunks: 64-token tiles, four warps, three stages (kernels.md, small batches)
             return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": block_n // 2, "num_warps": 4, "num_stages": 3,
-                    "NUM_SPLITS": num_splits}
+                    "NUM_SPLITS": num_splits, "PREFETCH_PAGES": True}
         decode = decode_config(BLOCK_N=block_n, HEADS_FASTEST=True, EVEN_TILES=True, PREFETCH_PAGES=True)
         return {"BLOCK_Q": max(1, 16 // group_pad), "BLOCK_N": block_n, "num_warps": 8, "num_stages": 2,
                 "NUM_SPLITS": 1, "DECODE": decode}
