@@ -19,7 +19,7 @@ Partials (fp32; row = (token, query head)), merged in log2 units:
 
 The number of splits comes from shapes only (no host sync): about one program an SM, at most one split per
 MIN_SPLIT_TOKENS of the longest possible context (page table width * page tokens); the chunk comes from the real
-length on the device, so a short request in a wide table still spreads over all its splits. Every program loops over its
+length on the device, so a short request in a wide table spreads over as many splits as it has tiles. Every program loops over its
 request's query blocks, so any batch is computed correctly, but prefill chunks would redo the split bookkeeping for
 nothing: the dispatcher sends only decode batches here.
 
@@ -39,7 +39,7 @@ LOG2_E = 1.4426950408889634
 # Split while the unsplit kernel has under 1.5 programs an SM (one program streams one request's K/V, too little for an
 # SM's share of HBM), into about one program an SM: fewer, longer chunks beat four an SM (kernels.md, small batches).
 MAX_UNSPLIT_PROGRAMS_PER_SM = 1.5
-MIN_SPLIT_TOKENS = 64  # no more splits than this many tokens of the longest possible context each: one K/V tile
+MIN_SPLIT_TOKENS = 64  # no more splits than this many tokens of the longest possible context each: one bf16 K/V tile
 MAX_SPLITS = 64
 INTERPRETER_SMS = 32  # CPU (Triton interpreter): a small GPU's worth, so test batches of a few requests split
 
