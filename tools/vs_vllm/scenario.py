@@ -154,9 +154,11 @@ def startup_lines(folder: Path) -> str:
 def stepvs(s: Session) -> int:
     """The decode step of vLLM and of Rimuru (all experts resident) at each of STEP_BATCHES (1 16 64 256) requests,
     from the same stream, at STEP_BUDGET (120 GiB: room for every batch in both engines), every prompt cycled to
-    STEP_CONTEXT tokens where given (a drain's long contexts); vLLM's parts as for vsvllm. Lines "decode step, N
-    running: X ms" of both."""
+    STEP_CONTEXT tokens where given (a drain's long contexts); VS_SKEW as for vsvllm (one checkpoint both load, so
+    both route alike); vLLM's parts as for vsvllm. Lines "decode step, N running: X ms" of both."""
     batches = s.knob("STEP_BATCHES", "1 16 64 256").split()
+    if skew := s.knob("VS_SKEW"):
+        s = with_skewed_checkpoint(s, skew)
     s = s.with_knobs(BUDGET=s.knob("STEP_BUDGET", "120GiB"))
     if not VSITE_ENV.is_file() and s.run(["bash", ".peers/vllm/install.sh", ".peers/vllm/bin"],
                                          log=s.out / "vllm-install.log") != 0:  # fmt: skip
@@ -171,6 +173,6 @@ def stepvs(s: Session) -> int:
         s.run(s.tool("tools.engine.profile_step", s.model, *s.dummy, "--stream", s.stream, "--steps", "20",
                      "--num-requests", batch, "--expert-policy", "resident", "--gpu-memory-budget", s.budget,
                      *context),
-              log=log, timeout_s=150)  # fmt: skip
+              log=log, timeout_s=240)  # fmt: skip
         s.say(f"rimuru {first_line(log, 'decode step')}")
     return 0
