@@ -6,23 +6,33 @@ the same stream's first B prompts admitted, prefilled, then S steps of B decodin
     python tools/vs_vllm/decode_step.py MODEL_DIR --budget-gib 30 --stream s.jsonl --batch 1 16 64 256 --out f.json
 
 Runs where vLLM is importable (`tools/device_session.sh stepvs`); one engine for every batch (max_num_seqs = the
-largest), dummy weights, vLLM's defaults otherwise as in replay.py.
+largest), dummy weights, vLLM's defaults otherwise as in replay.py. `--profile` then runs PROFILE_STEPS more steps
+a batch under the torch profiler and prints its kernel table (the engine core in this process, so the profiler
+sees its kernels: VLLM_ENABLE_V1_MULTIPROCESSING=0).
 """
+
+from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
+from typing import TYPE_CHECKING
 
-from vllm import EngineArgs, SamplingParams
-from vllm.v1.engine.llm_engine import LLMEngine
+if TYPE_CHECKING:
+    from vllm.v1.engine.llm_engine import LLMEngine
 
 STEPS = 20
+PROFILE_STEPS = 10
 
 
-def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str) -> float:
-    """Median host time of `steps` steps of len(prompts) requests, all decoding (prefill steps run first)."""
-    params = SamplingParams(max_tokens=steps + 64, ignore_eos=True, temperature=0.0, detokenize=False)
+def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str, profile: bool = False) -> float:
+    """Median host time of `steps` steps of len(prompts) requests, all decoding (prefill steps run first); with
+    `profile`, PROFILE_STEPS more under the torch profiler, its table printed."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(max_tokens=steps + PROFILE_STEPS + 64, ignore_eos=True, temperature=0.0, detokenize=False)
     for i, prompt in enumerate(prompts):
         engine.add_request(f"{tag}-{i}", {"prompt_token_ids": prompt}, params)
     generated = dict.fromkeys(range(len(prompts)), 0)
@@ -34,11 +44,24 @@ def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int, tag:
         start = time.perf_counter()
         engine.step()
         times.append((time.perf_counter() - start) * 1e3)
+    if profile:
+        print_kernel_table(engine, len(prompts))
     for i in range(len(prompts)):
         engine.abort_request([f"{tag}-{i}"])
     while engine.has_unfinished_requests():
         engine.step()
     return statistics.median(times)
+
+
+def print_kernel_table(engine: LLMEngine, batch: int) -> None:
+    import torch
+
+    activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
+    with torch.profiler.profile(activities=activities) as profiler:
+        for _ in range(PROFILE_STEPS):
+            engine.step()
+    print(f"kernels of {PROFILE_STEPS} decode steps, {batch} running:", flush=True)
+    print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=40), flush=True)
 
 
 def main() -> None:
@@ -49,8 +72,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--out", required=True)
     parser.add_argument("--context", type=int, default=None, help="every prompt cycled to this many tokens")
+    parser.add_argument("--profile", action="store_true", help="print each batch's kernel table")
     args = parser.parse_args()
+    if args.profile:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM's import: its engine core in this process
     import torch
+    from vllm import EngineArgs
+    from vllm.v1.engine.llm_engine import LLMEngine
 
     with open(args.stream) as f:
         prompts = [json.loads(line)["prompt_token_ids"] for line in f if line.strip()]
@@ -63,7 +91,7 @@ def main() -> None:
         max_model_len=max(2048, (args.context or 0) + STEPS + 128), seed=0))  # fmt: skip
     rows = []
     for batch in args.batch:
-        ms = decode_step_ms(engine, prompts[:batch], STEPS, f"b{batch}")
+        ms = decode_step_ms(engine, prompts[:batch], STEPS, f"b{batch}", args.profile)
         rows.append({"engine": "vllm", "batch": batch, "context": args.context, "decode_step_ms": round(ms, 3)})
         print(f"decode step, {batch} running: {ms:.2f} ms", flush=True)
     with open(args.out, "w") as f:

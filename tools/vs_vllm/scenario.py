@@ -155,7 +155,8 @@ def stepvs(s: Session) -> int:
     """The decode step of vLLM and of Rimuru (all experts resident) at each of STEP_BATCHES (1 16 64 256) requests,
     from the same stream, at STEP_BUDGET (120 GiB: room for every batch in both engines), every prompt cycled to
     STEP_CONTEXT tokens where given (a drain's long contexts); VS_SKEW as for vsvllm (one checkpoint both load, so
-    both route alike); vLLM's parts as for vsvllm. Lines "decode step, N running: X ms" of both."""
+    both route alike); STEP_PROFILE=1 adds vLLM's kernel table a batch to its log (Rimuru's logs have theirs); vLLM's
+    parts as for vsvllm. Lines "decode step, N running: X ms" of both."""
     batches = s.knob("STEP_BATCHES", "1 16 64 256").split()
     if skew := s.knob("VS_SKEW"):
         s = with_skewed_checkpoint(s, skew)
@@ -165,7 +166,8 @@ def stepvs(s: Session) -> int:
         return 1
     context = ["--context", s.knob("STEP_CONTEXT")] if s.knob("STEP_CONTEXT") else []
     step = ["python", "tools/vs_vllm/decode_step.py", s.model, "--budget-gib", s.budget.removesuffix("GiB"),
-            "--stream", s.stream, "--batch", *batches, *context, "--out", s.out / "vllm-decode-steps.json"]  # fmt: skip
+            "--stream", s.stream, "--batch", *batches, *context, "--out", s.out / "vllm-decode-steps.json",
+            *(["--profile"] if s.knob("STEP_PROFILE") else [])]  # fmt: skip
     s.run(["bash", "-c", f'source {VSITE_ENV} && exec "$@"', "_", *step], log=s.out / "vllm-decode-steps.txt",
           timeout_s=420, show=lambda text: "\n".join(x for x in text.splitlines() if x.startswith("decode step")))  # fmt: skip
     for batch in batches:
