@@ -61,7 +61,8 @@ def print_kernel_table(engine: LLMEngine, batch: int) -> None:
         for _ in range(PROFILE_STEPS):
             engine.step()
     print(f"kernels of {PROFILE_STEPS} decode steps, {batch} running:", flush=True)
-    print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=40), flush=True)
+    print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=60,
+                                                max_name_column_width=140), flush=True)
 
 
 def main() -> None:
