@@ -54,6 +54,25 @@ def attention_inputs(heads, batch, context, table_tokens, device, dtype, seed):
     return query, kv_view, table, seq_lens, query_start_loc, head_dim**-0.5
 
 
+def spread_sets(sets, spread_gib, table_tokens, seed):
+    """The same inputs with their pages moved to random places of one pool of `spread_gib` GiB (as the engine's K/V
+    pages lie among the experts' across its whole pool), tables `table_tokens` wide: what the page walk costs."""
+    kv_view = sets[0][1]
+    page_bytes = kv_view[0].numel() * kv_view.element_size()
+    pool = torch.empty(int(spread_gib * 2**30) // page_bytes, *kv_view.shape[1:], dtype=kv_view.dtype,
+                       device=kv_view.device)  # fmt: skip
+    gen = torch.Generator(device=kv_view.device).manual_seed(seed)
+    places = torch.randperm(pool.shape[0], device=kv_view.device, generator=gen)
+    spread, width = [], -(-table_tokens // PAGE_TOKENS)
+    for i, (query, kv, table, seq_lens, query_start_loc, scale) in enumerate(sets):
+        ids = places[i * kv.shape[0] : (i + 1) * kv.shape[0]]
+        pool[ids] = kv
+        moved = torch.full((table.shape[0], max(width, table.shape[1])), -1, dtype=torch.int32, device=kv.device)
+        moved[:, : table.shape[1]] = torch.where(table >= 0, ids[table.clamp(min=0).long()].to(torch.int32), -1)
+        spread.append((query, pool, moved, seq_lens, query_start_loc, scale))
+    return spread
+
+
 def kv_bytes(heads, batch, context) -> int:
     _, num_kv_heads, head_dim = heads
     return 2 * batch * context * num_kv_heads * head_dim * 2
@@ -87,16 +106,20 @@ def variants(heads, batch, context, sms, smoke):
     return rows
 
 
-def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, copy_tb_per_s):
+def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, copy_tb_per_s, spread_gib=0):
     heads = HEADS[model]
     layers = 1 if smoke else LAYERS
     narrow = [attention_inputs(heads, batch, context, context, device, dtype, i) for i in range(layers)]
     wide = [attention_inputs(heads, batch, context, table_tokens, device, dtype, i) for i in range(layers)]
+    spread = spread_sets(narrow, spread_gib, table_tokens, 0) if spread_gib else []
     ref = reference.paged_attention(*[a.float() if torch.is_tensor(a) and a.is_floating_point() else a
                                       for a in narrow[0]])  # fmt: skip
     rows = []
-    for name, launch in variants(heads, batch, context, num_sms(torch.device(device)), smoke):
-        sets = wide if name.startswith("dispatcher") else narrow
+    named = variants(heads, batch, context, num_sms(torch.device(device)), smoke)
+    if spread:
+        named = [(f"{name}, pages spread over {spread_gib:g} GiB", launch) for name, launch in named[:2]] + named
+    for name, launch in named:
+        sets = spread if "spread" in name else wide if name.startswith("dispatcher") else narrow
         row = {"model": model, "batch": batch, "context": context, "name": name}
         try:
             out = launch(sets[0])
@@ -115,7 +138,9 @@ def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, cop
         rows.append(row)
     timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
     dispatcher = [r for r in timed if r["name"] == "dispatcher"]
-    for r in dispatcher + [r for r in timed[:3] if r["name"] != "dispatcher"]:  # the engine's, then the fastest
+    spread_rows = [r for r in timed if "spread" in r["name"]]
+    others = [r for r in timed if r["name"] != "dispatcher" and r not in spread_rows]
+    for r in dispatcher + spread_rows + others[:3]:  # the engine's, then the fastest
         share = f" {100 * r['of_copy']:.0f}%" if "of_copy" in r else ""
         print(f"{model} B={batch} ctx={context} {r['name']}: {r['us']:.1f} us {r['tb_per_s']:.2f} TB/s{share}",
               flush=True)  # fmt: skip
@@ -129,6 +154,8 @@ def main():
     parser.add_argument("--models", nargs="+", default=list(HEADS), choices=list(HEADS))
     parser.add_argument("--batches", type=int, nargs="+", default=BATCHES)
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
+    parser.add_argument("--spread-gib", type=float, default=0,
+                        help="also the dispatcher and the unsplit kernel on pages spread over a pool this large")
     args = parser.parse_args()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     report = {"argv": sys.argv, "torch": torch.__version__, "commit": os.environ.get("RIMURU_COMMIT", "unknown")}
@@ -141,7 +168,7 @@ def main():
     for model, batch, context in shapes:
         table_tokens = 64 if args.smoke else TABLE_TOKENS[model]
         report["rows"] += measure_shape(model, batch, context, table_tokens, device, dtype, args.smoke,
-                                        report.get("copy_tb_per_s"))  # fmt: skip
+                                        report.get("copy_tb_per_s"), args.spread_gib)  # fmt: skip
         with open(args.out, "w") as f:  # rows so far survive a time-out
             json.dump(report, f, indent=1)
 

@@ -27,9 +27,9 @@ STEPS = 20
 PROFILE_STEPS = 10
 
 
-def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str, profile: bool = False) -> float:
+def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int, tag: str, profile: str | None = None) -> float:
     """Median host time of `steps` steps of len(prompts) requests, all decoding (prefill steps run first); with
-    `profile`, PROFILE_STEPS more under the torch profiler, its table printed."""
+    `profile` (a trace path), PROFILE_STEPS more under the torch profiler, its table printed and its trace written."""
     from vllm import SamplingParams
 
     params = SamplingParams(max_tokens=steps + PROFILE_STEPS + 64, ignore_eos=True, temperature=0.0, detokenize=False)
@@ -45,7 +45,7 @@ def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int, tag:
         engine.step()
         times.append((time.perf_counter() - start) * 1e3)
     if profile:
-        print_kernel_table(engine, len(prompts))
+        print_kernel_table(engine, len(prompts), profile)
     for i in range(len(prompts)):
         engine.abort_request([f"{tag}-{i}"])
     while engine.has_unfinished_requests():
@@ -53,7 +53,7 @@ def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], steps: int, tag:
     return statistics.median(times)
 
 
-def print_kernel_table(engine: LLMEngine, batch: int) -> None:
+def print_kernel_table(engine: LLMEngine, batch: int, trace: str) -> None:
     import torch
 
     activities = [torch.profiler.ProfilerActivity.CPU, torch.profiler.ProfilerActivity.CUDA]
@@ -63,6 +63,7 @@ def print_kernel_table(engine: LLMEngine, batch: int) -> None:
     print(f"kernels of {PROFILE_STEPS} decode steps, {batch} running:", flush=True)
     print(profiler.key_averages().table(sort_by="self_cuda_time_total", row_limit=60,
                                                 max_name_column_width=140), flush=True)
+    profiler.export_chrome_trace(trace)
 
 
 def main() -> None:
@@ -73,7 +74,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, nargs="+", default=[1, 16, 64, 256])
     parser.add_argument("--out", required=True)
     parser.add_argument("--context", type=int, default=None, help="every prompt cycled to this many tokens")
-    parser.add_argument("--profile", action="store_true", help="print each batch's kernel table")
+    parser.add_argument("--profile", action="store_true",
+                        help="print each batch's kernel table, its trace beside --out")
     args = parser.parse_args()
     if args.profile:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"  # before vLLM's import: its engine core in this process
@@ -92,7 +94,8 @@ def main() -> None:
         max_model_len=max(2048, (args.context or 0) + STEPS + 128), seed=0))  # fmt: skip
     rows = []
     for batch in args.batch:
-        ms = decode_step_ms(engine, prompts[:batch], STEPS, f"b{batch}", args.profile)
+        trace = args.out.removesuffix(".json") + f"-trace-{batch}.json" if args.profile else None
+        ms = decode_step_ms(engine, prompts[:batch], STEPS, f"b{batch}", trace)
         rows.append({"engine": "vllm", "batch": batch, "context": args.context, "decode_step_ms": round(ms, 3)})
         print(f"decode step, {batch} running: {ms:.2f} ms", flush=True)
     with open(args.out, "w") as f:

@@ -156,7 +156,7 @@ def stepvs(s: Session) -> int:
     from the same stream, at STEP_BUDGET (120 GiB: room for every batch in both engines), every prompt cycled to
     STEP_CONTEXT tokens where given (a drain's long contexts); VS_SKEW as for vsvllm (one checkpoint both load, so
     both route alike); STEP_PROFILE=1 adds vLLM's kernel table a batch to its log (Rimuru's logs have theirs); vLLM's
-    parts as for vsvllm. Lines "decode step, N running: X ms" of both."""
+    parts as for vsvllm. Lines "decode step, N running: X ms" of both; STEP_PROFILE also writes both engines' traces."""
     batches = s.knob("STEP_BATCHES", "1 16 64 256").split()
     if skew := s.knob("VS_SKEW"):
         s = with_skewed_checkpoint(s, skew)
@@ -174,7 +174,7 @@ def stepvs(s: Session) -> int:
         log = s.out / f"rimuru-decode-step-{batch}.txt"
         s.run(s.tool("tools.engine.profile_step", s.model, *s.dummy, "--stream", s.stream, "--steps", "20",
                      "--num-requests", batch, "--expert-policy", "resident", "--gpu-memory-budget", s.budget,
-                     *context),
+                     *context, *(["--trace", s.out / f"rimuru-decode-trace-{batch}.json"] if s.knob("STEP_PROFILE") else [])),
               log=log, timeout_s=240)  # fmt: skip
         s.say(f"rimuru {first_line(log, 'decode step')}")
     return 0
