@@ -111,17 +111,16 @@ class Attention(nn.Module):
         q_rows, kv_rows = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         return {"qkv_proj": (("q_proj", q_rows), ("k_proj", kv_rows), ("v_proj", kv_rows))}
 
+    def qk_norm_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None, float]:
+        """(q's and k's per-head RMSNorm weights, eps), or Nones where the family has no q/k norm."""
+        if self.q_norm is None:
+            return None, None, 0.0
+        return self.q_norm.weight, self.k_norm.weight, self.q_norm.eps
+
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        num_tokens, dh = x.shape[0], self.head_dim
-        q, k, v = self.qkv_proj(x).split((self.num_heads * dh, self.num_kv_heads * dh, self.num_kv_heads * dh), -1)
-        q = q.view(num_tokens, self.num_heads, dh)  # [T, Hq, Dh], views of the fused projection's rows
-        k = k.view(num_tokens, self.num_kv_heads, dh)  # [T, Hk, Dh]
-        v = v.view(num_tokens, self.num_kv_heads, dh)  # [T, Hk, Dh]
-        if self.q_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = ops.rope(q, k, cos, sin)
         i = self.layer_idx
-        ops.write_kv(k, v, ctx.kv_view, ctx.slot_mappings[i])
+        q = ops.rope_write_kv(self.qkv_proj(x), *self.qk_norm_weights(), cos, sin, ctx.kv_view, ctx.slot_mappings[i],
+                              self.num_heads, self.num_kv_heads)  # [T, Hq, Dh]; K and V stored in the pool
         out = ops.paged_attention(
             q, ctx.kv_view, ctx.kv_page_tables[i], ctx.seq_lens, ctx.query_start_loc, self.scale
         )  # [T, Hq, Dh]

@@ -16,7 +16,7 @@ import rimuru.ops.linear_attention  # noqa: F401  (registers rimuru::gated_delta
 import rimuru.ops.paged_attention  # noqa: F401  (registers rimuru::paged_attention)
 import rimuru.ops.paged_moe  # noqa: F401  (registers rimuru::paged_moe)
 import rimuru.ops.rms_norm  # noqa: F401  (registers rimuru::rms_norm and add_rms_norm)
-import rimuru.ops.rope  # noqa: F401  (registers rimuru::rope)
+import rimuru.ops.rope_write_kv  # noqa: F401  (registers rimuru::rope_write_kv)
 import rimuru.ops.topk_softmax  # noqa: F401  (registers rimuru::topk_softmax)
 import rimuru.ops.write_kv  # noqa: F401  (registers rimuru::write_kv)
 from rimuru.ops import reference
@@ -79,12 +79,6 @@ def sigmoid_gated_add(base: torch.Tensor, gate_logits: torch.Tensor, x: torch.Te
     return torch.ops.rimuru.sigmoid_gated_add(base, gate_logits, x)
 
 
-@_or_reference(reference.rope)
-def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):  # q [T, Hq, Dh], k [T, Hk, Dh]
-    """Neox RoPE of q and k in one kernel (cos, sin [T, Dh]); contiguous outputs; see `rimuru.ops.reference.rope`."""
-    return torch.ops.rimuru.rope(q, k, cos, sin)
-
-
 @_or_reference(reference.topk_softmax)
 def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):  # logits [T, E] float32
     """Router top-k ids [T, K] int64 and softmax weights [T, K] fp32 in one kernel; see
@@ -102,6 +96,33 @@ def write_kv(
     torch.ops.rimuru.write_kv(key, value, kv_view, slot_mapping)
 
 
+def rope_write_kv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hk) * Dh], the fused projection's rows
+    q_weight: torch.Tensor | None,  # [Dh] q's per-head RMSNorm weight, or None where the family has no q/k norm
+    k_weight: torch.Tensor | None,  # [Dh]
+    eps: float,
+    cos: torch.Tensor,  # [T, Dh]
+    sin: torch.Tensor,
+    kv_view: torch.Tensor,  # [P, 2, S, Hk, Dh], mutated
+    slot_mapping: torch.Tensor,  # [T]
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:  # [T, Hq, Dh]
+    """q and k normalised per head and rotated, K and V stored at their slots, in one kernel; returns q. See
+    `rimuru.ops.reference.rope_write_kv`."""
+    if INDUCTOR_FUSIONS and torch.compiler.is_compiling():  # inductor fuses the norms and RoPE; the write stays ours
+        head_dim = kv_view.shape[-1]
+        q, k, v = qkv.unflatten(-1, (num_q_heads + 2 * num_kv_heads, head_dim)).split(
+            (num_q_heads, num_kv_heads, num_kv_heads), 1)  # fmt: skip
+        if q_weight is not None:
+            q, k = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
+        q, k = reference.rope(q, k, cos, sin)
+        write_kv(k, v, kv_view, slot_mapping)
+        return q.contiguous()
+    return torch.ops.rimuru.rope_write_kv(qkv, q_weight, k_weight, eps, cos, sin, kv_view, slot_mapping, num_q_heads,
+                                          num_kv_heads)  # fmt: skip
+
+
 def paged_attention(
     query: torch.Tensor,  # [T, Hq, Dh]
     kv_view: torch.Tensor,  # [P, 2, S, Hk, Dh]
@@ -114,8 +135,8 @@ def paged_attention(
     return torch.ops.rimuru.paged_attention(query, kv_view, page_table, seq_lens, query_start_loc, scale)
 
 
-__all__ = ["add_rms_norm", "paged_attention", "paged_moe", "rms_norm", "rope", "sigmoid_gated_add", "silu_and_mul",
-           "topk_softmax", "write_kv"]
+__all__ = ["add_rms_norm", "paged_attention", "paged_moe", "rms_norm", "rope_write_kv", "sigmoid_gated_add",
+           "silu_and_mul", "topk_softmax", "write_kv"]
 
 
 def gated_delta_step(q, k, v, g, beta, ssm_view: torch.Tensor, state_ids: torch.Tensor) -> torch.Tensor:

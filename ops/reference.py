@@ -107,6 +107,30 @@ def write_kv(
     kv_view[pages, 1, offsets] = value[keep].to(kv_view.dtype)
 
 
+def rope_write_kv(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hk) * Dh]: the fused projection's q, k and v heads
+    q_weight: torch.Tensor | None,  # [Dh] per-head RMSNorm weights of q and k, or None (no q/k norm)
+    k_weight: torch.Tensor | None,
+    eps: float,
+    cos: torch.Tensor,  # [T, Dh]
+    sin: torch.Tensor,
+    kv_view: torch.Tensor,  # [P, 2, S, Hk, Dh], mutated
+    slot_mapping: torch.Tensor,  # [T]
+    num_q_heads: int,
+    num_kv_heads: int,
+) -> torch.Tensor:  # [T, Hq, Dh]
+    """An attention layer's inputs: q and k normalised per head (when weights are given) and rotated, K and V
+    written at their slots; returns q, contiguous."""
+    head_dim = kv_view.shape[-1]
+    q, k, v = qkv.split((num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), -1)
+    q, k = q.unflatten(-1, (num_q_heads, head_dim)), k.unflatten(-1, (num_kv_heads, head_dim))
+    if q_weight is not None:
+        q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
+    q, k = rope(q, k, cos, sin)
+    write_kv(k, v.unflatten(-1, (num_kv_heads, head_dim)), kv_view, slot_mapping)
+    return q.contiguous()
+
+
 def gather_kv(kv_view: torch.Tensor, page_ids: torch.Tensor, seq_len: int):
     """K and V [seq_len, Hk, Dh] of one request from its page ids, in token order."""
     pages = kv_view[page_ids.long()]  # [P, 2, S, Hk, Dh]

@@ -35,7 +35,7 @@ from rimuru.ops.moe_align import (  # noqa: E402
 from rimuru.ops.paged_attention import paged_attention_triton  # noqa: E402
 from rimuru.ops.paged_moe import paged_moe_triton  # noqa: E402
 from rimuru.ops.rms_norm import add_rms_norm_triton, rms_norm_triton  # noqa: E402
-from rimuru.ops.rope import rope_triton  # noqa: E402
+from rimuru.ops.rope_write_kv import rope_write_kv_triton  # noqa: E402
 from rimuru.ops.topk_softmax import topk_softmax_triton  # noqa: E402
 from rimuru.ops.topk_sum import topk_sum_triton  # noqa: E402
 from rimuru.ops.write_kv import write_kv_triton  # noqa: E402
@@ -377,19 +377,25 @@ def test_sigmoid_gated_add(num_tokens, hidden_size):
     torch.testing.assert_close(tri, reference.sigmoid_gated_add(base, gate_logits, x), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("num_tokens,num_q_heads,num_k_heads,head_dim", [(1, 4, 4, 16), (5, 8, 2, 32), (17, 3, 1, 8)])
-def test_rope(num_tokens, num_q_heads, num_k_heads, head_dim):
-    """q and k as views into one fused projection's rows (a token stride wider than the heads), as the model has them."""
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_k_heads,head_dim,norms", [
+    (1, 4, 4, 16, True), (5, 8, 2, 32, True), (6, 8, 2, 32, False), (17, 3, 1, 8, True)])  # fmt: skip
+def test_rope_write_kv(num_tokens, num_q_heads, num_k_heads, head_dim, norms):
+    """The fused projection's rows with a token stride wider than the heads (a view), slots with a padding row:
+    q equal to the reference chain's, and the pool written where (and only where) the reference writes it."""
     gen = torch.Generator().manual_seed(num_tokens)
-    widths = (num_q_heads * head_dim, num_k_heads * head_dim, num_k_heads * head_dim)
-    qkv = torch.randn(num_tokens, sum(widths), generator=gen)
-    q, k, _ = qkv.split(widths, -1)
-    q, k = q.view(num_tokens, num_q_heads, head_dim), k.view(num_tokens, num_k_heads, head_dim)
+    width = (num_q_heads + 2 * num_k_heads) * head_dim
+    qkv = torch.randn(num_tokens, width + 5, generator=gen)[:, :width]
+    weights = (torch.randn(head_dim, generator=gen), torch.randn(head_dim, generator=gen)) if norms else (None, None)
     angles = torch.randn(num_tokens, head_dim // 2, generator=gen).repeat(1, 2)
-    cos, sin = angles.cos(), angles.sin()
-    for tri, ref in zip(rope_triton(q, k, cos, sin), reference.rope(q, k, cos, sin)):
-        assert tri.is_contiguous()
-        torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+    kv_view = torch.full((num_tokens + 3, 2, 4, num_k_heads, head_dim), float("nan"))
+    slots = torch.randperm(kv_view.shape[0] * 4, generator=gen)[:num_tokens]
+    slots[num_tokens // 2] = -1
+    args = (*weights, 1e-6, angles.cos(), angles.sin())
+    pool_ref = kv_view.clone()
+    ref = reference.rope_write_kv(qkv, *args, pool_ref, slots, num_q_heads, num_k_heads)
+    tri = rope_write_kv_triton(qkv, *args, kv_view, slots, num_q_heads, num_k_heads)
+    torch.testing.assert_close(tri, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(kv_view, pool_ref, equal_nan=True, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize", [(1, 60, 4, False), (17, 128, 8, True),

@@ -130,17 +130,37 @@ def test_fused_elementwise_bf16_equal_the_torch_form(num_tokens):
         assert (tri.float() - ref.float()).abs().le(ref.float().abs() * 2**-7 + 1e-3).all()
 
 
-@pytest.mark.parametrize("num_tokens,num_q_heads,num_k_heads", [(1, 16, 16), (2048, 16, 16), (77, 32, 4)])
-def test_rope_bf16_equals_the_torch_form(num_tokens, num_q_heads, num_k_heads):
-    """bf16 on the GPU: each product rounded before the sum, as transformers' form rounds it, so bit for bit."""
-    widths = (num_q_heads * 128, num_k_heads * 128, num_k_heads * 128)
-    q, k, _ = torch.randn(num_tokens, sum(widths), device="cuda").bfloat16().split(widths, -1)
-    q, k = q.view(num_tokens, num_q_heads, 128), k.view(num_tokens, num_k_heads, 128)
-    angles = torch.rand(num_tokens, 64, device="cuda").repeat(1, 2) * 1000
+@pytest.mark.parametrize("num_tokens,num_q_heads,num_k_heads", [(1, 32, 4), (77, 32, 4), (2048, 16, 16)])
+@pytest.mark.parametrize("norms", [False, True])
+def test_rope_write_kv_bf16_equals_the_unfused_ops(num_tokens, num_q_heads, num_k_heads, norms):
+    """The fused kernel against the unfused chain (the q/k norm kernel, transformers' bf16 RoPE, the cache write), bf16
+    on the GPU: bit for bit without norms (each rotary product rounded before the sum); with them within the norms'
+    own reduction-order differences, and near the fp32 reference."""
+    gen = torch.Generator("cuda").manual_seed(num_tokens)
+    width = (num_q_heads + 2 * num_k_heads) * 128
+    qkv = torch.randn(num_tokens, width, device="cuda", generator=gen).bfloat16()
+    weights = tuple(torch.randn(2, 128, device="cuda", generator=gen).bfloat16()) if norms else (None, None)
+    angles = torch.rand(num_tokens, 64, device="cuda", generator=gen).repeat(1, 2) * 1000
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
+    kv_view = torch.randn(num_tokens + 7, 2, 16, num_k_heads, 128, device="cuda", generator=gen).bfloat16()
+    slots = torch.randperm(kv_view.shape[0] * 16, device="cuda", generator=gen)[:num_tokens]
+    slots[::5] = -1
+    q, k, v = qkv.unflatten(-1, (num_q_heads + 2 * num_k_heads, 128)).split((num_q_heads, num_k_heads, num_k_heads), 1)
+    if norms:
+        q, k = ops.rms_norm(q, weights[0], 1e-6), ops.rms_norm(k, weights[1], 1e-6)
+    q, k = reference.rope(q, k, cos, sin)  # transformers' bf16 form
+    expected = kv_view.clone()
+    ops.write_kv(k, v, expected, slots)
     poison_allocator()
-    for tri, ref in zip(ops.rope(q, k, cos, sin), reference.rope(q, k, cos, sin)):
-        assert torch.equal(tri, ref)
+    fused = ops.rope_write_kv(qkv, *weights, 1e-6, cos, sin, kv_view, slots, num_q_heads, num_k_heads)
+    if not norms:
+        assert torch.equal(fused, q) and torch.equal(kv_view, expected)
+        return
+    ref_pool = kv_view.float().clone()
+    ref = reference.rope_write_kv(qkv.float(), *(w.float() for w in weights), 1e-6, cos.float(), sin.float(),
+                                  ref_pool, slots, num_q_heads, num_k_heads)  # fmt: skip
+    assert rel_err(fused, ref) < 1e-2 and rel_err(kv_view, ref_pool) < 1e-2
+    assert (fused == q).float().mean() > 0.99 and (kv_view == expected).float().mean() > 0.99
 
 
 @pytest.mark.parametrize("num_tokens,num_experts,top_k,renormalize", [(1, 60, 4, False), (2048, 128, 8, True),

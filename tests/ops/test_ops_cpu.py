@@ -45,12 +45,6 @@ def test_opcheck_fused_elementwise():
     torch.library.opcheck(torch.ops.rimuru.sigmoid_gated_add.default, (x, torch.randn(5, 1), residual))
 
 
-def test_opcheck_rope():
-    q, k = torch.randn(5, 4, 16), torch.randn(5, 2, 16)
-    angles = torch.randn(5, 8).repeat(1, 2)
-    torch.library.opcheck(torch.ops.rimuru.rope.default, (q, k, angles.cos(), angles.sin()))
-
-
 def test_rope_matches_transformers():
     from transformers.models.qwen2_moe.modeling_qwen2_moe import apply_rotary_pos_emb
 
@@ -58,7 +52,7 @@ def test_rope_matches_transformers():
     angles = torch.randn(7, 8).repeat(1, 2)
     cos, sin = angles.cos().bfloat16(), angles.sin().bfloat16()
     hf_q, hf_k = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None], cos[None], sin[None])
-    ours = ops.rope(q, k, cos, sin)
+    ours = reference.rope(q, k, cos, sin)  # what rope_write_kv rotates by
     assert torch.equal(ours[0], hf_q[0].transpose(0, 1)) and torch.equal(ours[1], hf_k[0].transpose(0, 1))
 
 
@@ -82,6 +76,14 @@ def test_opcheck_write_kv():
     kv_view = torch.randn(6, 2, 4, 2, 8)
     key, value = torch.randn(2, 3, 2, 8).unbind(0)
     torch.library.opcheck(torch.ops.rimuru.write_kv.default, (key, value, kv_view, torch.tensor([1, 9, -1])))
+
+
+def test_opcheck_rope_write_kv():
+    qkv, kv_view = torch.randn(3, (4 + 2 * 2) * 8), torch.randn(6, 2, 4, 2, 8)
+    angles = torch.randn(3, 4).repeat(1, 2)
+    for weights in ((torch.randn(8), torch.randn(8)), (None, None)):
+        args = (qkv, *weights, 1e-6, angles.cos(), angles.sin(), kv_view, torch.tensor([1, 9, -1]), 4, 2)
+        torch.library.opcheck(torch.ops.rimuru.rope_write_kv.default, args)
 
 
 def _layer(query, key, value, kv_view, slots, table, seq_lens, qsl, hidden, experts, experts_table, ids, weights):
