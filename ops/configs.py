@@ -1,7 +1,9 @@
 """Block sizes for the MoE kernels: tuned tables per GPU (`ops/configs/<GPU>.json`), else a heuristic.
 
 Owns the lookup only; `tools/kernels/tune.py` writes the tables. A table is keyed by "E=..,F=..,D=.." and then by
-the number of tokens M (the largest tuned M not above the call's M wins).
+the number of tokens M (the largest tuned M not above the call's M wins). A GPU without a table of its own takes
+the table of its architecture's tuned GPU (`TUNED_FOR_CAPABILITY`): the tiles compile and fit there, and they keep
+the launch options (PDL, L2 hints) that the heuristic leaves off.
 """
 
 import functools
@@ -17,10 +19,21 @@ def device_file_name(device_name: str) -> str:
     return device_name.replace(" ", "_").replace("-", "_") + ".json"
 
 
+# compute capability -> the GPU whose table the others of that architecture take (Hopper: the H100 and H200 share
+# the SM, its shared memory and the launch options; their memory rates differ)
+TUNED_FOR_CAPABILITY = {(9, 0): "NVIDIA H200"}
+
+
 @functools.cache
 def load_table(device_name: str) -> dict:
     path = CONFIG_DIR / device_file_name(device_name)
     return json.loads(path.read_text()) if path.exists() else {}
+
+
+@functools.cache
+def device_table(device_name: str, capability: tuple[int, int]) -> dict:
+    """The GPU's own table, else its architecture's tuned one, else none."""
+    return load_table(device_name) or load_table(TUNED_FOR_CAPABILITY.get(capability, device_name))
 
 
 def heuristic_moe_config(num_tokens: int, num_experts: int, top_k: int, element_size: int = 2) -> dict:
@@ -45,7 +58,8 @@ def moe_config(num_tokens: int, num_experts: int, num_features: int, hidden_size
                element_size: int = 2) -> dict:  # fmt: skip
     """Tuned config for this GPU and shape if a table has one (tuned in bf16), else the heuristic."""
     if torch.device(device).type == "cuda" and element_size <= 2:
-        table = load_table(torch.cuda.get_device_name(device)).get(f"E={num_experts},F={num_features},D={hidden_size}")
+        tables = device_table(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+        table = tables.get(f"E={num_experts},F={num_features},D={hidden_size}")
         if table:
             return lookup(table, num_tokens)
     return heuristic_moe_config(num_tokens, num_experts, top_k, element_size)

@@ -126,6 +126,15 @@ def test_h200_table_covers_both_models_and_lookup_picks_the_bucket_below():
             assert {"BLOCK_M", "BLOCK_N", "BLOCK_K", "num_warps", "num_stages"} <= cfg.keys()
 
 
+def test_a_gpu_without_a_table_takes_its_architectures_and_others_none():
+    from rimuru.ops.configs import device_table, load_table
+
+    h200 = load_table("NVIDIA H200")
+    assert device_table("NVIDIA H200", (9, 0)) is h200
+    assert device_table("NVIDIA H100 80GB HBM3", (9, 0)) is h200
+    assert device_table("NVIDIA A100-SXM4-80GB", (8, 0)) == {}
+
+
 @pytest.mark.parametrize("num_requests,num_kv_heads,max_kv_tokens,num_splits", [
     (64, 4, 1024, 1),  # 256 programs, about two an SM: the unsplit kernel
     (32, 4, 40960, 2),  # 128 programs, under 1.5 an SM: split at least in two
