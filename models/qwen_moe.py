@@ -69,20 +69,19 @@ class SparseMoeBlock(nn.Module):
         multiplies_into_fp32 = weight.is_cuda and weight.dtype in (torch.bfloat16, torch.float16)
         self.register_buffer("router_weight", None if multiplies_into_fp32 else weight.float(), persistent=False)
 
-    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:  # x [T, D]
-        """Top-k expert ids [T, K] and their fp32 weights [T, K]; logits and softmax in fp32."""
+    def route(self, x: torch.Tensor, padding_rows: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Top-k expert ids [T, K] and their fp32 weights [T, K] (x [T, D]); logits and softmax in fp32; rows flagged
+        in `padding_rows` route as row 0."""
         if self.router_weight is None:
             # 16-bit products are exact in fp32 and cuBLAS sums them in fp32: the fp32 GEMM's logits, without a cast
             # of x and an fp32 GEMM a layer
             logits = torch.mm(x, self.gate.weight.T, out_dtype=torch.float32)  # [T, E]
         else:
             logits = nn.functional.linear(x.float(), self.router_weight)  # [T, E]
-        return ops.topk_softmax(logits, self.top_k, self.norm_topk_prob)
+        return ops.topk_softmax(logits, self.top_k, self.norm_topk_prob, padding_rows)
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:  # x [T, D] -> [T, D]
-        topk_ids, topk_weights = self.route(x)  # [T, K]
-        if ctx.padding_rows is not None:
-            topk_ids = torch.where(ctx.padding_rows[:, None], topk_ids[:1], topk_ids)
+        topk_ids, topk_weights = self.route(x, ctx.padding_rows)  # [T, K]
         if ctx.on_routing is not None:
             call_routing_hook(ctx.on_routing, self.layer_idx, x, topk_ids)
         page_table = ctx.expert_page_tables[self.layer_idx]  # [E, 3], read after the hook may have edited it

@@ -80,10 +80,10 @@ def sigmoid_gated_add(base: torch.Tensor, gate_logits: torch.Tensor, x: torch.Te
 
 
 @_or_reference(reference.topk_softmax)
-def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):  # logits [T, E] float32
-    """Router top-k ids [T, K] int64 and softmax weights [T, K] fp32 in one kernel; see
-    `rimuru.ops.reference.topk_softmax`."""
-    return torch.ops.rimuru.topk_softmax(logits, top_k, renormalize)
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, padding_rows: torch.Tensor | None = None):
+    """Router top-k ids [T, K] int64 and softmax weights [T, K] fp32 in one kernel, `padding_rows` routed as row 0;
+    see `rimuru.ops.reference.topk_softmax`."""  # logits [T, E] float32
+    return torch.ops.rimuru.topk_softmax(logits, top_k, renormalize, padding_rows)
 
 
 def write_kv(

@@ -83,9 +83,12 @@ def rope(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor)
     return rotate(q), rotate(k)
 
 
-def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool):  # logits [T, E] float32
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool, padding_rows: torch.Tensor | None = None):
     """The router's top-k experts [T, K] (int64, best first) and their softmax weights [T, K] (fp32), renormalised
-    to sum to 1 when asked (qwen3_moe's norm_topk_prob)."""
+    to sum to 1 when asked (qwen3_moe's norm_topk_prob). Rows flagged in `padding_rows` [T] route as row 0: a CUDA
+    graph's padding touches no expert a real token does not."""  # logits [T, E] float32
+    if padding_rows is not None:
+        logits = torch.where(padding_rows[:, None], logits[:1], logits)
     weights, ids = torch.topk(logits.float().softmax(dim=-1), top_k, dim=-1)
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)

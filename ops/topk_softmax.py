@@ -5,6 +5,7 @@ take a softmax kernel and `topk`'s two (a radix select and a sort) in every MoE 
 BLOCK_T tokens' fp32 logits [BLOCK_T, E]: the softmax in fp32, then K rounds that take each row's largest weight
 (the lowest expert id on a tie) and strike it out, so the ids come best first, as `torch.topk` returns them. A row
 of NaN logits (garbage upstream) gets garbage weights but ids in range, so the MoE kernels never index past a table.
+Rows flagged in `padding_rows` (a CUDA graph's rows past the batch) read row 0's logits, so they route as row 0.
 """
 
 import torch
@@ -17,14 +18,17 @@ BLOCK_T = 16
 
 
 @triton.jit
-def _topk_softmax_kernel(p_logits, p_ids, p_weights, num_tokens, num_experts, stride_lt, TOP_K: tl.constexpr,
-                         RENORMALIZE: tl.constexpr, K_PAD: tl.constexpr, BLOCK_T: tl.constexpr,
-                         BLOCK_E: tl.constexpr):  # fmt: skip
+def _topk_softmax_kernel(p_logits, p_padding, p_ids, p_weights, num_tokens, num_experts, stride_lt,
+                         TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, PADDING: tl.constexpr, K_PAD: tl.constexpr,
+                         BLOCK_T: tl.constexpr, BLOCK_E: tl.constexpr):  # fmt: skip
     o_t = tl.program_id(0).to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)  # [BT]
     o_e = tl.arange(0, BLOCK_E)  # [BE]
     m_t = o_t < num_tokens
     m_e = o_e < num_experts
-    b_logits = tl.load(p_logits + o_t[:, None] * stride_lt + o_e[None, :], mask=m_t[:, None] & m_e[None, :],
+    o_src = o_t  # the row whose logits row t routes by
+    if PADDING:
+        o_src = tl.where(tl.load(p_padding + o_t, mask=m_t, other=0) != 0, 0, o_t)
+    b_logits = tl.load(p_logits + o_src[:, None] * stride_lt + o_e[None, :], mask=m_t[:, None] & m_e[None, :],
                        other=float("-inf")).to(tl.float32)  # fmt: skip
     b_logits = tl.where(m_t[:, None], b_logits, 0.0)  # rows past the tokens: finite, never stored
     b_exp = tl.exp(b_logits - tl.max(b_logits, 1)[:, None])
@@ -47,31 +51,34 @@ def _topk_softmax_kernel(p_logits, p_ids, p_weights, num_tokens, num_experts, st
     tl.store(p_weights + o_out, b_w, mask=m_out)
 
 
-def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool):
+def topk_softmax_triton(logits: torch.Tensor, top_k: int, renormalize: bool, padding_rows: torch.Tensor | None = None):
     num_tokens, num_experts = logits.shape
     assert logits.stride(1) == 1, "logit rows must be contiguous"
     ids = torch.empty((num_tokens, top_k), dtype=torch.int64, device=logits.device)
     weights = torch.empty((num_tokens, top_k), dtype=torch.float32, device=logits.device)
     if num_tokens:
         grid = (triton.cdiv(num_tokens, BLOCK_T),)
-        _topk_softmax_kernel[grid](logits, ids, weights, num_tokens, num_experts, logits.stride(0), TOP_K=top_k,
-                                   RENORMALIZE=renormalize, K_PAD=triton.next_power_of_2(top_k), BLOCK_T=BLOCK_T,
+        padding = padding_rows is not None
+        _topk_softmax_kernel[grid](logits, padding_rows if padding else logits, ids, weights, num_tokens, num_experts,
+                                   logits.stride(0), TOP_K=top_k, RENORMALIZE=renormalize, PADDING=padding,
+                                   K_PAD=triton.next_power_of_2(top_k), BLOCK_T=BLOCK_T,
                                    BLOCK_E=triton.next_power_of_2(num_experts))  # fmt: skip
     return ids, weights
 
 
 @torch.library.custom_op("rimuru::topk_softmax", mutates_args=(), device_types="cpu")
-def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return reference.topk_softmax(logits, top_k, renormalize)
+def topk_softmax(logits: torch.Tensor, top_k: int, renormalize: bool,
+                 padding_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    return reference.topk_softmax(logits, top_k, renormalize, padding_rows)
 
 
 @topk_softmax.register_kernel("cuda")
-def _topk_softmax_cuda(logits, top_k, renormalize):
-    return topk_softmax_triton(logits, top_k, renormalize)
+def _topk_softmax_cuda(logits, top_k, renormalize, padding_rows=None):
+    return topk_softmax_triton(logits, top_k, renormalize, padding_rows)
 
 
 @topk_softmax.register_fake
-def _topk_softmax_fake(logits, top_k, renormalize):
+def _topk_softmax_fake(logits, top_k, renormalize, padding_rows=None):
     shape = (logits.shape[0], top_k)
     return (torch.empty(shape, dtype=torch.int64, device=logits.device),
             torch.empty(shape, dtype=torch.float32, device=logits.device))  # fmt: skip

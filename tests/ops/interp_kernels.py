@@ -408,6 +408,20 @@ def test_topk_softmax(num_tokens, num_experts, top_k, renormalize):
     torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
 
 
+def test_topk_softmax_routes_padding_rows_as_row_0():
+    """A graph's padding rows (garbage logits, here NaN) take row 0's experts and weights; the real rows keep theirs,
+    as the torch form's `where` over the ids has them."""
+    logits = torch.randn(20, 128, generator=torch.Generator().manual_seed(1))
+    padding = torch.zeros(20, dtype=torch.bool)
+    padding[13:] = True
+    logits[13:] = float("nan")
+    ids, weights = topk_softmax_triton(logits, 8, True, padding)
+    ref_ids, ref_weights = reference.topk_softmax(logits[:13], 8, True)
+    assert torch.equal(ids[:13], ref_ids) and torch.equal(ids[13:], ref_ids[:1].expand(7, 8))
+    torch.testing.assert_close(weights[13:], ref_weights[:1].expand(7, 8), rtol=1e-5, atol=1e-6)
+    assert torch.equal(reference.topk_softmax(logits, 8, True, padding)[0], ids)
+
+
 def test_topk_softmax_keeps_the_ids_of_a_nan_row_in_range():
     """NaN logits (a state page's garbage upstream) must not become expert id E, which the MoE kernels would read
     past their tables with: the row's ids stay below E, the other rows are untouched."""

@@ -167,10 +167,12 @@ def test_rope_write_kv_bf16_equals_the_unfused_ops(num_tokens, num_q_heads, num_
                                                                       (33, 512, 10, True)])
 def test_topk_softmax_matches_torch(num_tokens, num_experts, top_k, renormalize):
     logits = torch.randn(num_tokens, num_experts, device="cuda") * 3
-    ids, weights = ops.topk_softmax(logits, top_k, renormalize)
-    ref_ids, ref_weights = reference.topk_softmax(logits, top_k, renormalize)
-    assert torch.equal(ids, ref_ids)
-    torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
+    padding = torch.rand(num_tokens, device="cuda") < 0.3
+    for rows in (None, padding):
+        ids, weights = ops.topk_softmax(logits, top_k, renormalize, rows)
+        ref_ids, ref_weights = reference.topk_softmax(logits, top_k, renormalize, rows)
+        assert torch.equal(ids, ref_ids)
+        torch.testing.assert_close(weights, ref_weights, rtol=1e-5, atol=1e-6)
 
 
 def test_write_kv_bf16_exact():

@@ -59,6 +59,8 @@ def test_rope_matches_transformers():
 def test_opcheck_topk_softmax():
     for renormalize in (False, True):
         torch.library.opcheck(torch.ops.rimuru.topk_softmax.default, (torch.randn(6, 60), 4, renormalize))
+    padding = torch.tensor([False, False, True, False, True, True])
+    torch.library.opcheck(torch.ops.rimuru.topk_softmax.default, (torch.randn(6, 60), 4, True, padding))
 
 
 def test_rms_norm_matches_transformers():
