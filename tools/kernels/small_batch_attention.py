@@ -1,14 +1,18 @@
 """Decode attention at the batches of a stream's drain (1 to 64 requests, long contexts): the engine's dispatch against
 the unsplit decode kernel and split-KV at each split count and tile, both models' head layouts, one GPU run.
 
-    python -m tools.kernels.small_batch_attention --out small_batch_attention.json      # on a CUDA GPU (not yet run there)
+    python -m tools.kernels.small_batch_attention --out small_batch_attention.json      # on a CUDA GPU
+    python -m tools.kernels.small_batch_attention --contexts 192 576 --batches 16 --spread-gib 40 --copy-mb 768
     TRITON_INTERPRET=1 python -m tools.kernels.small_batch_attention --smoke            # logic check on CPU
 
 A row is a call's share of a CUDA graph of LAYERS calls, each over a K/V set of its own (as a step's graph calls
-attention once a layer: no call finds its pages in L2). The dispatcher row gets the page table width the engine's
-graphs have (TABLE_TOKENS, the longest context a request may reach), which sets its split count; the other rows
-tables as long as the context. Each output is checked against the fp32 reference before it is timed; bytes are K
-and V of every context token once, and the share is of the device-to-device copy measured in the same run.
+attention once a layer; at short contexts the LAYERS sets together still fit in L2). The dispatcher row gets the
+page table width the engine's graphs have (TABLE_TOKENS, the longest context a request may reach), which sets its
+split count; the other rows tables as long as the context. `--spread-gib` adds the dispatcher and the unsplit kernel
+on pages spread over a pool that large, `--copy-mb` both again with a copy that large before every call (the MoE
+layer's weight reads before a step's attention), its own time subtracted. Each output is checked against the fp32
+reference before it is timed; bytes are K and V of every context token once, and the share is of the
+device-to-device copy measured in the same run.
 """
 
 import argparse
@@ -106,7 +110,18 @@ def variants(heads, batch, context, sms, smoke):
     return rows
 
 
-def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, copy_tb_per_s, spread_gib=0):
+def with_copies_between(named, copy_mb, device):
+    """The rows again, each call after a copy of `copy_mb` MB (as a step's attention follows its MoE layer's weight
+    reads: L2, TLBs and clocks as they leave them), and the copies alone, to subtract."""
+    src = torch.empty(copy_mb << 20, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    rows = [(f"{name}, after {copy_mb} MB copies", lambda a, f=launch: (dst.copy_(src), f(a))[1])
+            for name, launch in named]  # fmt: skip
+    return rows + [(f"{copy_mb} MB copies alone", lambda a: dst.copy_(src))]
+
+
+def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, copy_tb_per_s, spread_gib=0,
+                  copy_mb=0):  # fmt: skip
     heads = HEADS[model]
     layers = 1 if smoke else LAYERS
     narrow = [attention_inputs(heads, batch, context, context, device, dtype, i) for i in range(layers)]
@@ -116,9 +131,9 @@ def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, cop
                                       for a in narrow[0]])  # fmt: skip
     rows = []
     named = variants(heads, batch, context, num_sms(torch.device(device)), smoke)
-    if spread:
-        named = [(f"{name}, pages spread over {spread_gib:g} GiB", launch) for name, launch in named[:2]] + named
-    for name, launch in named:
+    extra = [(f"{name}, pages spread over {spread_gib:g} GiB", launch) for name, launch in named[:2]] if spread else []
+    extra += with_copies_between(named[:2], copy_mb, device) if copy_mb else []
+    for name, launch in extra + named:
         sets = spread if "spread" in name else wide if name.startswith("dispatcher") else narrow
         row = {"model": model, "batch": batch, "context": context, "name": name}
         try:
@@ -126,7 +141,7 @@ def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, cop
         except Exception as error:  # a tile that does not fit is a row, not a crash
             rows.append(row | {"error": str(error)[:200]})
             continue
-        row["rel_err"] = ((out.float() - ref).norm() / ref.norm()).item()
+        row["rel_err"] = 0.0 if "alone" in name else ((out.float() - ref).norm() / ref.norm()).item()
         if not row["rel_err"] < 1e-2:
             rows.append(row | {"error": "output differs from the reference"})
             continue
@@ -136,9 +151,14 @@ def measure_shape(model, batch, context, table_tokens, device, dtype, smoke, cop
         if copy_tb_per_s:
             row["of_copy"] = row["tb_per_s"] / copy_tb_per_s
         rows.append(row)
-    timed = sorted((r for r in rows if "us" in r), key=lambda r: r["us"])
+    alone = [r["us"] for r in rows if "alone" in r["name"] and "us" in r]
+    for r in rows:
+        if alone and "after" in r["name"] and "us" in r:
+            r["us_with_copies"], r["us"] = r["us"], r["us"] - alone[0]  # the attention's share after the copies
+            r["tb_per_s"] = kv_bytes(heads, batch, context) / r["us"] / 1e6
+    timed = sorted((r for r in rows if "us" in r and "alone" not in r["name"]), key=lambda r: r["us"])
     dispatcher = [r for r in timed if r["name"] == "dispatcher"]
-    spread_rows = [r for r in timed if "spread" in r["name"]]
+    spread_rows = [r for r in timed if "spread" in r["name"] or "after" in r["name"]]
     others = [r for r in timed if r["name"] != "dispatcher" and r not in spread_rows]
     for r in dispatcher + spread_rows + others[:3]:  # the engine's, then the fastest
         share = f" {100 * r['of_copy']:.0f}%" if "of_copy" in r else ""
@@ -156,6 +176,8 @@ def main():
     parser.add_argument("--contexts", type=int, nargs="+", default=CONTEXTS)
     parser.add_argument("--spread-gib", type=float, default=0,
                         help="also the dispatcher and the unsplit kernel on pages spread over a pool this large")
+    parser.add_argument("--copy-mb", type=int, default=0,
+                        help="also the dispatcher and the unsplit kernel each after a copy this large")
     args = parser.parse_args()
     device, dtype = ("cpu", torch.float32) if args.smoke else ("cuda", torch.bfloat16)
     report = {"argv": sys.argv, "torch": torch.__version__, "commit": os.environ.get("RIMURU_COMMIT", "unknown")}
@@ -168,7 +190,9 @@ def main():
     for model, batch, context in shapes:
         table_tokens = 64 if args.smoke else TABLE_TOKENS[model]
         report["rows"] += measure_shape(model, batch, context, table_tokens, device, dtype, args.smoke,
-                                        report.get("copy_tb_per_s"), args.spread_gib)  # fmt: skip
+                                        report.get("copy_tb_per_s"), args.spread_gib, args.copy_mb)  # fmt: skip
+        if not args.smoke:
+            torch.cuda.empty_cache()  # the spread pool and copy buffers of one shape, before the next allocates its own
         with open(args.out, "w") as f:  # rows so far survive a time-out
             json.dump(report, f, indent=1)
 
