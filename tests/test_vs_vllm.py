@@ -54,3 +54,16 @@ def test_a_vllm_record_without_its_memory_shows_none():
     assert run["peak_reserved_gib"] is None
     (row,) = [line for line in table({"runs": [run]}).splitlines() if line.startswith("| A |")]
     assert row.endswith("| - |")
+
+
+def test_trace_layers_spans_are_measured_from_the_markers_kernels():
+    """Two layers of hand-placed kernels (us): the layer period runs KV write to KV write, the attention from its
+    kernel's start to its merge's end, the MoE from the sort's start to the sum's end; other kernels do not count."""
+    from tools.vs_vllm.trace_layers import MARKERS, spans
+
+    write, attention, merge, sort, total = MARKERS["rimuru"]
+    layer = [(write, 0, 3), (attention, 4, 20), (merge, 25, 2), ("_gate_up_kernel", 30, 100), (sort, 28, 1),
+             (total, 140, 5)]  # fmt: skip
+    events = [{"name": name, "ts": start + offset, "dur": dur} for offset in (0, 300) for name, start, dur in layer]
+    assert spans(sorted(events, key=lambda e: e["ts"]), MARKERS["rimuru"]) == {"layer": 300, "attention": 23,
+                                                                               "moe": 117}  # fmt: skip
