@@ -118,6 +118,15 @@ def stepab(s: Session) -> None:
         s.say(f"-- {name} rc={rc}: {first_line(log, 'decode step')}")
 
 
+def attnprobe(s: Session) -> None:
+    """tools/engine/attention_probe.py at PROFILE_FLAGS (16 resident requests at BUDGET)."""
+    flags = s.knob("PROFILE_FLAGS", f"--num-requests 16 --expert-policy resident --gpu-memory-budget {s.budget}")
+    log = s.out / "attention_probe.txt"
+    s.run(s.tool("tools.engine.attention_probe", s.model, *s.dummy, "--stream", s.stream, *flags.split(),
+                 "--out", s.out / "attention_probe.json"), log=log, timeout_s=240)  # fmt: skip
+    s.show_file(log, lambda text: "\n".join(x for x in text.splitlines() if x.startswith(("attention", "Trace"))))
+
+
 def hostphases(s: Session) -> None:
     """PROFILE_FLAGS (default --num-requests 1); the ranking at SKEW."""
     for adjuster in ("paper", "cost"):

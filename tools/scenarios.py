@@ -67,6 +67,8 @@ SCENARIOS = {s.name: s for s in [
              jobs.linearstate),
     Scenario("hybrid35", "~15", "Qwen3.5-35B-A3B: no flags beside fixed offloads at 48 GiB, resident and default at 80",
              sweeps.hybrid35),
+    Scenario("attnprobe", "2", "decode attention on the engine's own inputs: as called, graph width, compact, after "
+             "copies (PROFILE_FLAGS)", jobs.attnprobe),
     Scenario("stepab", "5", "the decode step in this tree and in BASE_TREE, alternated (PROFILE_FLAGS)", jobs.stepab),
     Scenario("hostphases", "2", "the host time of each part of a decode step, paper rule against cost rule",
              jobs.hostphases),
