@@ -157,9 +157,9 @@ class Engine:
         self._broadcast(message_for(self.experts.copy_log, input_ids, ctx))
         self.experts.copy_log.clear()
 
-    def _send_replay(self, inputs, shape, table_rows, expert_tables) -> None:
+    def _send_replay(self, inputs, shape, table_entries, expert_tables) -> None:
         """Every rank's replay of a captured step: the expert copies since the last pass, then the step."""
-        self._broadcast(replay_message(self.experts.copy_log, inputs, shape, table_rows, expert_tables))
+        self._broadcast(replay_message(self.experts.copy_log, inputs, shape, table_entries, expert_tables))
         self.experts.copy_log.clear()
 
     def check_rank_tables(self) -> None:

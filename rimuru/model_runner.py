@@ -64,12 +64,12 @@ class ModelRunner:
         inputs = self.prepare(batch)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
-            table_rows = self.kv_cache.sync_device()  # the graphs gather the batch's page tables on the device
+            table_entries = self.kv_cache.sync_device()  # the graphs gather the batch's page tables on the device
             # the graphs read working_tables and count the pass's routing themselves
             counted = self.graphs.count_pass is not None
             expert_tables, hook = self.experts.pass_routing(fixed_tables=True, counted=counted)
             if self.before_replay is not None:
-                self.before_replay(inputs, shape, table_rows, expert_tables)
+                self.before_replay(inputs, shape, table_entries, expert_tables)
             self.num_graph_steps += 1
             return self.graphs.run(inputs, hook, shape).float(), inputs.sample_rows
         input_ids, ctx = inputs.input_ids.to(self.device, non_blocking=True), self.context(inputs)

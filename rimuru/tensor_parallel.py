@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rimuru.kv_cache import write_entries
 from rimuru.kv_swap import HostPages, PageSwap, swap_views
 from rimuru.memory import MemoryPool, page_sizes_for_model
 from rimuru.models import ForwardContext, from_pretrained, parallel
@@ -59,12 +60,12 @@ def message_for(copies, input_ids: torch.Tensor, ctx: ForwardContext) -> StepMes
     return StepMessage(list(copies), input_ids.cpu(), tensors, ctx.decode_only)
 
 
-def replay_message(copies, inputs, shape, table_rows, expert_tables: torch.Tensor) -> StepMessage:
-    """A replayed step for the other ranks: its inputs and shape, the KV table rows synced since the last replay
-    (None: none), the expert tables its kernels read."""
+def replay_message(copies, inputs, shape, table_entries, expert_tables: torch.Tensor) -> StepMessage:
+    """A replayed step for the other ranks: its inputs and shape, the KV table entries synced since the last replay
+    (`KVCacheManager.sync_device`'s; None: none), the expert tables its kernels read."""
     tensors = {"expert_tables": expert_tables.cpu()}
-    if table_rows is not None:
-        tensors["table_slots"], tensors["table_rows"] = table_rows
+    if table_entries is not None:
+        tensors["table_slots"], tensors["table_columns"], tensors["table_values"] = table_entries
     return StepMessage(list(copies), tensors=tensors, step=inputs, shape=shape)
 
 
@@ -206,7 +207,7 @@ class Worker:
     def replay(self, message: StepMessage) -> None:
         tensors = message.tensors
         if "table_slots" in tensors:
-            self.kv_tables.index_copy_(1, tensors["table_slots"].to(self.device), tensors["table_rows"].to(self.device))
+            write_entries(self.kv_tables, tensors["table_slots"], tensors["table_columns"], tensors["table_values"])
         self.expert_tables.copy_(tensors["expert_tables"], non_blocking=True)
         self.graphs.run(message.step, None, message.shape)
 

@@ -10,6 +10,7 @@ path, each copy a memcpy; `none`: no copy). `--against` alternates the rounds wi
 rimuru/kv_cache.py (and rimuru/model_runner.py) in the same process. Prints JSON: medians, mean and p99 in us.
 
     python -m tools.engine.scheduler [--running 140] [--rounds 3000] [--seed 0] [--device cuda|cpu|none]
+        [--max-model-len 4096]
     git show 026cd3f:rimuru/kv_cache.py > /tmp/kv_old.py
     git show 0d983eb:rimuru/model_runner.py > /tmp/runner_old.py
     python -m tools.engine.scheduler --device none --against /tmp/kv_old.py --against-runner /tmp/runner_old.py
@@ -38,12 +39,13 @@ SIZES = page_sizes((1408 * 2048,), (2, PAGE_TOKENS, 16, 128), torch.bfloat16)  #
 
 class Emulator:
     def __init__(self, running: int, seed: int, device: torch.device | None, kv_cache_class=KVCacheManager,
-                 runner_class=None):  # fmt: skip
+                 runner_class=None, max_model_len: int = 4096):  # fmt: skip
         self.rng = random.Random(seed)
         allocator = PageAllocator(SIZES, 3000 * SIZES.expert_page_bytes)
         for owner in [(layer, e) for layer in range(LAYERS) for e in range(16)]:  # 1,152 expert pages resident
             allocator.allocate_expert(owner)
-        self.kv_cache = kv_cache_class(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, 4096, device_copy=device)  # None: none
+        self.kv_cache = kv_cache_class(allocator, LAYERS, PAGE_TOKENS, MAX_SEQS, max_model_len,
+                                       device_copy=device)  # device None: no copy; max_model_len: the tables' width
         self.scheduler = Scheduler(SchedulerConfig(MAX_SEQS, 2048), self.kv_cache)
         self.prepare = lambda batch: step_inputs(batch, self.kv_cache.slot)
         if runner_class is not None:  # another ModelRunner: its `prepare` reads `kv_cache` (and `states`, none here)
@@ -94,6 +96,7 @@ def main() -> None:
     parser.add_argument("--running", type=int, default=140)
     parser.add_argument("--rounds", type=int, default=3000)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-model-len", type=int, default=4096, help="the page tables' width (Qwen3: 40960)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu",
                         help="where the tables' copy lives; none: no copy (the scheduler's own Python alone)")
     parser.add_argument("--against", default=None, metavar="KV_CACHE_PY",
@@ -102,11 +105,11 @@ def main() -> None:
                         help="with --against: that version's rimuru/model_runner.py makes its rounds' inputs")
     args = parser.parse_args()
     device = None if args.device == "none" else torch.device(args.device)
-    emulators = {"this": Emulator(args.running, args.seed, device)}
+    emulators = {"this": Emulator(args.running, args.seed, device, max_model_len=args.max_model_len)}
     if args.against:
         runner = load_version(args.against_runner, "runner_against").ModelRunner if args.against_runner else None
         kv_cache = load_version(args.against, "kv_cache_against").KVCacheManager
-        emulators["against"] = Emulator(args.running, args.seed, device, kv_cache, runner)
+        emulators["against"] = Emulator(args.running, args.seed, device, kv_cache, runner, args.max_model_len)
     for _ in range(400):  # the prompts' prefill rounds, then decodes in steady state
         for emulator in emulators.values():
             emulator.round()
