@@ -111,12 +111,8 @@ def rope_write_kv(
     """q and k normalised per head and rotated, K and V stored at their slots, in one kernel; returns q. See
     `rimuru.ops.reference.rope_write_kv`."""
     if INDUCTOR_FUSIONS and torch.compiler.is_compiling():  # inductor fuses the norms and RoPE; the write stays ours
-        head_dim = kv_view.shape[-1]
-        q, k, v = qkv.unflatten(-1, (num_q_heads + 2 * num_kv_heads, head_dim)).split(
-            (num_q_heads, num_kv_heads, num_kv_heads), 1)  # fmt: skip
-        if q_weight is not None:
-            q, k = reference.rms_norm(q, q_weight, eps), reference.rms_norm(k, k_weight, eps)
-        q, k = reference.rope(q, k, cos, sin)
+        q, k, v = reference.attention_heads(qkv, q_weight, k_weight, eps, cos, sin, num_q_heads, num_kv_heads,
+                                            kv_view.shape[-1])  # fmt: skip
         write_kv(k, v, kv_view, slot_mapping)
         return q.contiguous()
     return torch.ops.rimuru.rope_write_kv(qkv, q_weight, k_weight, eps, cos, sin, kv_view, slot_mapping, num_q_heads,

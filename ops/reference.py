@@ -110,28 +110,26 @@ def write_kv(
     kv_view[pages, 1, offsets] = value[keep].to(kv_view.dtype)
 
 
-def rope_write_kv(
-    qkv: torch.Tensor,  # [T, (Hq + 2 Hk) * Dh]: the fused projection's q, k and v heads
-    q_weight: torch.Tensor | None,  # [Dh] per-head RMSNorm weights of q and k, or None (no q/k norm)
-    k_weight: torch.Tensor | None,
-    eps: float,
-    cos: torch.Tensor,  # [T, Dh]
-    sin: torch.Tensor,
-    kv_view: torch.Tensor,  # [P, 2, S, Hk, Dh], mutated
-    slot_mapping: torch.Tensor,  # [T]
-    num_q_heads: int,
-    num_kv_heads: int,
-) -> torch.Tensor:  # [T, Hq, Dh]
-    """An attention layer's inputs: q and k normalised per head (when weights are given) and rotated, K and V
-    written at their slots; returns q, contiguous."""
-    head_dim = kv_view.shape[-1]
-    q, k, v = qkv.split((num_q_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim), -1)
-    q, k = q.unflatten(-1, (num_q_heads, head_dim)), k.unflatten(-1, (num_kv_heads, head_dim))
+def rope_write_kv(qkv: torch.Tensor, q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                  cos: torch.Tensor, sin: torch.Tensor, kv_view: torch.Tensor, slot_mapping: torch.Tensor,
+                  num_q_heads: int, num_kv_heads: int) -> torch.Tensor:  # fmt: skip
+    """An attention layer's inputs from its fused projection's rows qkv [T, (Hq + 2 Hk) * Dh]: q and k normalised
+    per head by q_weight, k_weight [Dh] (None: no q/k norm) and rotated by cos, sin [T, Dh], K and V written at their
+    slots of kv_view [P, 2, S, Hk, Dh]; returns q [T, Hq, Dh], contiguous."""
+    q, k, v = attention_heads(qkv, q_weight, k_weight, eps, cos, sin, num_q_heads, num_kv_heads, kv_view.shape[-1])
+    write_kv(k, v, kv_view, slot_mapping)
+    return q.contiguous()
+
+
+def attention_heads(qkv, q_weight, k_weight, eps: float, cos, sin, num_q_heads: int, num_kv_heads: int,
+                    head_dim: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(q [T, Hq, Dh], k, v [T, Hk, Dh]) of the fused projection's rows, q and k normalised and rotated."""
+    q, k, v = qkv.unflatten(-1, (num_q_heads + 2 * num_kv_heads, head_dim)).split(
+        (num_q_heads, num_kv_heads, num_kv_heads), 1)  # fmt: skip
     if q_weight is not None:
         q, k = rms_norm(q, q_weight, eps), rms_norm(k, k_weight, eps)
     q, k = rope(q, k, cos, sin)
-    write_kv(k, v.unflatten(-1, (num_kv_heads, head_dim)), kv_view, slot_mapping)
-    return q.contiguous()
+    return q, k, v
 
 
 def gather_kv(kv_view: torch.Tensor, page_ids: torch.Tensor, seq_len: int):
