@@ -42,9 +42,9 @@ def decodesweep(s: Session) -> None:
 
 
 def _tune(s: Session, name: str, timeout_s: int, budget_s: int, args: list[str], shown: int) -> None:
-    """Compare with ops/configs/NVIDIA_H200.json, then copy back the buckets that improved."""
-    s.run(["cp", "ops/configs/NVIDIA_H200.json", s.out / "NVIDIA_H200.json"])
-    s.run(s.tool("tools.kernels.tune", "--budget-s", budget_s, *args, "--out", s.out / "NVIDIA_H200.json"),
+    """$OUT/<GPU name>.json: the table this GPU uses now (its own, else its architecture's) with the buckets named
+    retuned; copy it to ops/configs/ where the buckets improved."""
+    s.run(s.tool("tools.kernels.tune", "--budget-s", budget_s, *args, "--out-dir", s.out),
           log=s.out / f"{name}.txt", timeout_s=timeout_s, show=tail(shown))  # fmt: skip
 
 

@@ -57,7 +57,7 @@ SCENARIOS = {s.name: s for s in [
              jobs.launch),
     Scenario("breakdown", "1", "the MoE op piece by piece under CUDA graphs, M = 1..4096", jobs.breakdown),
     Scenario("decodesweep", "1.5", "the decode attention variants against the general kernel", jobs.decodesweep),
-    Scenario("tunesmall", "6", "retune both models' M = 1..16 tiles and PAIR_BLOCKS into $OUT/NVIDIA_H200.json",
+    Scenario("tunesmall", "6", "retune both models' M = 1..16 tiles and PAIR_BLOCKS into $OUT/<GPU>.json",
              jobs.tunesmall),
     Scenario("tunelarge", "7-9", "retune M = 512..4096 tiles, GROUP_M in the space (its own call; then breakdown)",
              jobs.tunelarge),

@@ -1,6 +1,7 @@
 """Tune the paged MoE tiles per M bucket on this GPU; writes `ops/configs/<GPU name>.json`.
 
     python -m tools.kernels.tune [--budget-s 240] [--models qwen3-30b-a3b qwen1.5-moe] [--m 1 2 4]
+    python -m tools.kernels.tune --m 1 2 4 8 16 --out-dir $OUT      # $OUT/<GPU name>.json, from the table in use
 
 For each model shape and M = 1, 2, 4, ..., 4096 it tries a few BLOCK_M values (the sort depends on it, so both
 kernels share it) and, for each, times the gate/up and the down kernel separately over a small space of
@@ -23,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from rimuru.ops.configs import CONFIG_DIR, device_file_name
+from rimuru.ops.configs import CONFIG_DIR, device_file_name, device_table
 from rimuru.ops.moe_align import align_tokens, uses_pair_blocks
 from rimuru.ops.paged_moe import launch_down, launch_gate_up, paged_moe_triton
 from tools.kernels.bench import M_VALUES, MODELS, expert_pools, routing, time_graph_ms, time_ms
@@ -117,6 +118,8 @@ def main():
     parser.add_argument("--models", nargs="*", default=list(MODELS))
     parser.add_argument("--m", nargs="*", type=int, default=M_VALUES, help="the M buckets to (re)tune")
     parser.add_argument("--out", help="table to update (default: ops/configs/<GPU name>.json; none with --smoke)")
+    parser.add_argument("--out-dir", help="write <GPU name>.json here instead, starting from the table this GPU "
+                                          "uses now (its own, else its architecture's: rimuru.ops.configs)")
     parser.add_argument("--smoke", action="store_true", help="CPU logic check under TRITON_INTERPRET=1, tiny shape")
     parser.add_argument("--wide", action="store_true", help="a wider tile space at large M (`search_space`)")
     args = parser.parse_args()
@@ -126,6 +129,10 @@ def main():
     path = Path(args.out) if args.out else None if args.smoke else CONFIG_DIR / device_file_name(
         torch.cuda.get_device_name())
     table = json.loads(path.read_text()) if path and path.exists() else {}
+    if args.out_dir and not args.smoke:
+        name = torch.cuda.get_device_name()
+        path = Path(args.out_dir) / device_file_name(name)
+        table = json.loads(json.dumps(device_table(name, torch.cuda.get_device_capability())))  # a copy to edit
     pools = {name: expert_pools(shape, device, dtype) for name, shape in models.items()}
     for m in sorted(args.m[:2] if args.smoke else args.m):  # small M first: decode matters most if the budget ends
         for name, shape in models.items():
