@@ -8,7 +8,8 @@ row's output checked against the recorded call's:
     graph width   tables as wide as the engine's graphs hold them (max_model_len): the split count the graphs get
     compact       the same K/V copied to fresh pages in request order, tables remapped: the pool's layout aside
     after copies  `graph width` with a copy of `--copy-mb` MB before each call (a MoE layer's weight reads: L2,
-                  TLBs and clocks as they leave them), the copies' own time subtracted
+                  TLBs and clocks as they leave them), the copies' own time subtracted; then the same at each of
+                  `--splits` split counts (more programs to hide each tile's latency there)
 
     python -P -m tools.engine.attention_probe MODEL --load-format dummy --stream s.jsonl --num-requests 16 \
         --expert-policy resident --gpu-memory-budget 64GiB --out probe.json
@@ -23,6 +24,7 @@ import rimuru.ops as ops
 from rimuru.benchmark import read_stream
 from rimuru.config import EngineConfig
 from rimuru.engine import Engine
+from rimuru.ops.paged_attention import attention_config, paged_attention_triton
 from rimuru.serving.cli import add_engine_arguments, engine_options
 from tools.engine.profile_step import fill
 from tools.kernels.bench import time_graph_ms
@@ -69,12 +71,25 @@ def check_rows(rows: dict[str, list[tuple]]) -> None:
             torch.testing.assert_close(ops.paged_attention(*call), want, rtol=1e-2, atol=1e-2)
 
 
-def time_us(calls: list[tuple], before=None) -> float:
+def split_attention(num_splits: int):
+    """The attention op with its split count forced (the rest of the dispatcher's config kept)."""
+
+    def attend(query, kv_view, table, seq_lens, query_start_loc, scale):
+        group = query.shape[1] // kv_view.shape[3]
+        cfg = attention_config(query.shape[0], seq_lens.shape[0], group, num_splits, query.element_size())
+        return paged_attention_triton(query, kv_view, table, seq_lens, query_start_loc, scale, cfg)
+
+    return attend
+
+
+def time_us(calls: list[tuple], before=None, attend=None) -> float:
+    attend = attend or ops.paged_attention
+
     def run():
         for call in calls:
             if before is not None:
                 before()
-            ops.paged_attention(*call)
+            attend(*call)
 
     return 1e3 * time_graph_ms(run) / len(calls)
 
@@ -86,6 +101,7 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=1024)
     parser.add_argument("--copy-mb", type=int, default=768, help="the copy before each call of the last row")
+    parser.add_argument("--splits", type=int, nargs="*", default=[4, 8, 16], help="split counts of the last rows")
     parser.add_argument("--out", default="attention_probe.json")
     add_engine_arguments(parser)
     args = parser.parse_args()
@@ -109,6 +125,12 @@ def main() -> None:
     copies = 1e3 * time_graph_ms(lambda: [dst.copy_(src) for _ in calls]) / len(calls)
     after = time_us(rows["graph width"], lambda: dst.copy_(src))
     report["rows"][f"graph width, after {args.copy_mb} MB copies"] = after - copies
+    for splits in args.splits:
+        attend = split_attention(splits)
+        for call, want in zip(rows["graph width"], [ops.paged_attention(*c) for c in calls]):
+            torch.testing.assert_close(attend(*call), want, rtol=1e-2, atol=1e-2)
+        after = time_us(rows["graph width"], lambda: dst.copy_(src), attend)
+        report["rows"][f"graph width, after {args.copy_mb} MB copies, {splits} splits"] = after - copies
     report["copies_us"] = copies
     for name, us in report["rows"].items():
         print(f"attention, {args.num_requests} requests, {name}: {us:.1f} us a call", flush=True)
