@@ -45,6 +45,7 @@ MAX_SORT_PROGRAMS = 128
 SCAN_ABOVE_ENTRIES = 128 * 64
 SCAN_ENTRIES = 128 * 128  # the scan's tile: the whole table of MAX_SORT_PROGRAMS x 128 experts in one load
 ATOMIC_PAIRS_EACH, ATOMIC_TILE = 256, 256  # the atomic sort (`_atomic_count_and_scatter`): a program's pairs, a tile
+FILL_TILE = tl.constexpr(1024)  # pad ids a store writes: the one-program sort fills its 2,048 rows (16 tokens of Qwen3) in two
 
 
 def max_padded_rows(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -122,7 +123,7 @@ def _count_kernel(
     start = i_c * pairs_each
     b_count = _range_counts(p_ids, start, tl.minimum(start + pairs_each, num_pairs), EXPERTS_PAD, TILE)
     tl.store(p_chunk_counts + i_c * EXPERTS_PAD + tl.arange(0, EXPERTS_PAD), b_count)
-    _fill_pad_ids(p_sorted_ids, i_c * rows_each, tl.minimum(max_rows, (i_c + 1) * rows_each), num_pairs, TILE)
+    _fill_pad_ids(p_sorted_ids, i_c * rows_each, tl.minimum(max_rows, (i_c + 1) * rows_each), num_pairs, FILL_TILE)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_chunks", "max_blocks", "pairs_each"])
@@ -209,7 +210,7 @@ def _align_one_program_kernel(
     """The whole sort in one program (decode batches): count, pad, scatter and block experts, one launch."""
     wait_for_prior_grid(USE_PDL)
     b_padded, b_end = _padded_runs(_range_counts(p_ids, 0, num_pairs, EXPERTS_PAD, TILE), BLOCK_M)
-    _fill_pad_ids(p_sorted_ids, 0, max_rows, num_pairs, TILE)
+    _fill_pad_ids(p_sorted_ids, 0, max_rows, num_pairs, FILL_TILE)
     tl.debug_barrier()  # NOTE: the pad ids above must land before the pair ids that overwrite some of them
     _scatter_chunk(p_ids, p_sorted_ids, p_block_expert, p_num_padded, tl.program_id(0), b_end - b_padded, b_end,
                    num_pairs, num_experts, max_blocks, max_blocks, num_pairs, BLOCK_M, EXPERTS_PAD, TILE)
@@ -234,7 +235,7 @@ def _atomic_count_kernel(
         o_p = tile_start + tl.arange(0, TILE)
         m_p = o_p < end
         tl.atomic_add(p_counts + tl.load(p_ids + o_p, mask=m_p, other=0), 1, mask=m_p, sem="relaxed")
-    _fill_pad_ids(p_sorted_ids, i_c * rows_each, tl.minimum(max_rows, (i_c + 1) * rows_each), num_pairs, TILE)
+    _fill_pad_ids(p_sorted_ids, i_c * rows_each, tl.minimum(max_rows, (i_c + 1) * rows_each), num_pairs, FILL_TILE)
     tl.debug_barrier()  # NOTE: every thread's counts before the ticket's release
     if tl.atomic_add(p_counts + EXPERTS_PAD, 1, sem="acq_rel") == num_programs - 1:
         o_e = tl.arange(0, EXPERTS_PAD)
