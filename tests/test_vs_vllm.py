@@ -67,3 +67,21 @@ def test_trace_layers_spans_are_measured_from_the_markers_kernels():
     events = [{"name": name, "ts": start + offset, "dur": dur} for offset in (0, 300) for name, start, dur in layer]
     assert spans(sorted(events, key=lambda e: e["ts"]), MARKERS["rimuru"]) == {"layer": 300, "attention": 23,
                                                                                "moe": 117}  # fmt: skip
+
+
+def test_attention_probe_rows_compute_what_the_engine_call_does():
+    """`tools/engine/attention_probe.py`: its compacted pages (fresh, in table order) and its widened tables give the
+    recorded call's output; a compaction that lost the table order would not."""
+    import torch
+    from tests.ops.ops_cases import attention_case
+
+    from rimuru.ops import reference
+    from tools.engine.attention_probe import compacted, widened
+
+    args = attention_case([(37, 1), (5, 1), (64, 1)], 8, 2, 16, page_tokens=16, seed=1).args()
+    want = reference.paged_attention(*args)
+    assert torch.equal(reference.paged_attention(*compacted(args)), want)
+    assert torch.equal(reference.paged_attention(*widened(args, 40)), want)
+    query, pages, table, *rest = compacted(args)
+    shuffled = torch.where(table >= 0, table.flip(1).sort(1, descending=True).values, table)
+    assert not torch.allclose(reference.paged_attention(query, pages, shuffled, *rest), want)
