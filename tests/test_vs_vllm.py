@@ -73,9 +73,9 @@ def test_attention_probe_rows_compute_what_the_engine_call_does():
     """`tools/engine/attention_probe.py`: its compacted pages (fresh, in table order) and its widened tables give the
     recorded call's output; a compaction that lost the table order would not."""
     import torch
-    from tests.ops.ops_cases import attention_case
 
     from rimuru.ops import reference
+    from tests.ops.ops_cases import attention_case
     from tools.engine.attention_probe import compacted, widened
 
     args = attention_case([(37, 1), (5, 1), (64, 1)], 8, 2, 16, page_tokens=16, seed=1).args()
