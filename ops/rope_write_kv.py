@@ -1,8 +1,9 @@
 """`rimuru::rope_write_kv`: an attention layer's inputs from its fused QKV projection in one kernel.
 
 Owns one Triton kernel and its launcher; the reference is `rimuru.ops.reference.rope_write_kv` (`rms_norm` of q
-and k per head where the family has q/k norms, `rope`, then `write_kv`). Those were four launches a layer of every
-step; here one program takes one token's q heads, another its k and v heads:
+and k per head where the family has q/k norms, `rope`, then `write_kv`). Those were four ops a layer of every step
+(six launches: the norms copied their views out of the projection first); here one program takes one token's q
+heads, another its k and v heads:
 
     qkv row t  [ q heads (Hq x Dh) | k heads (Hk x Dh) | v heads (Hk x Dh) ]     (a view: any token stride)
     program (t, 0): q -> per-head RMSNorm (weights given) -> RoPE -> q_out[t]    (contiguous [T, Hq, Dh])
@@ -19,6 +20,11 @@ import triton.language as tl
 
 from rimuru.ops import reference
 from rimuru.ops.rounding import rounded
+
+
+def q_dtype(qkv: torch.Tensor, q_weight: torch.Tensor | None) -> torch.dtype:
+    """q's dtype: the projection's, promoted with the norm weight's as `rms_norm` promotes it."""
+    return qkv.dtype if q_weight is None else torch.promote_types(q_weight.dtype, qkv.dtype)
 
 
 @triton.jit
@@ -93,8 +99,7 @@ def rope_write_kv_triton(
     assert qkv.stride(1) == 1 and qkv.shape[1] == (num_q_heads + 2 * num_kv_heads) * head_dim
     assert cos.is_contiguous() and sin.is_contiguous() and head_dim % 2 == 0
     assert (q_weight is None) == (k_weight is None), "q and k are normalised together or not at all"
-    out_dtype = qkv.dtype if q_weight is None else torch.promote_types(q_weight.dtype, qkv.dtype)
-    q_out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=out_dtype, device=qkv.device)
+    q_out = torch.empty(num_tokens, num_q_heads, head_dim, dtype=q_dtype(qkv, q_weight), device=qkv.device)
     if num_tokens:
         norm = q_weight is not None
         _rope_write_kv_kernel[(num_tokens, 2)](
@@ -122,5 +127,4 @@ def _rope_write_kv_cuda(qkv, q_weight, k_weight, eps, cos, sin, kv_view, slot_ma
 
 @rope_write_kv.register_fake
 def _rope_write_kv_fake(qkv, q_weight, k_weight, eps, cos, sin, kv_view, slot_mapping, num_q_heads, num_kv_heads):
-    dtype = qkv.dtype if q_weight is None else torch.promote_types(q_weight.dtype, qkv.dtype)
-    return qkv.new_empty((qkv.shape[0], num_q_heads, kv_view.shape[-1]), dtype=dtype)
+    return qkv.new_empty((qkv.shape[0], num_q_heads, kv_view.shape[-1]), dtype=q_dtype(qkv, q_weight))

@@ -125,9 +125,10 @@ def main() -> None:
     copies = 1e3 * time_graph_ms(lambda: [dst.copy_(src) for _ in calls]) / len(calls)
     after = time_us(rows["graph width"], lambda: dst.copy_(src))
     report["rows"][f"graph width, after {args.copy_mb} MB copies"] = after - copies
+    expected = [ops.paged_attention(*call) for call in calls]
     for splits in args.splits:
         attend = split_attention(splits)
-        for call, want in zip(rows["graph width"], [ops.paged_attention(*c) for c in calls]):
+        for call, want in zip(rows["graph width"], expected):
             torch.testing.assert_close(attend(*call), want, rtol=1e-2, atol=1e-2)
         after = time_us(rows["graph width"], lambda: dst.copy_(src), attend)
         report["rows"][f"graph width, after {args.copy_mb} MB copies, {splits} splits"] = after - copies
