@@ -45,6 +45,8 @@ MAX_SORT_PROGRAMS = 128
 SCAN_ABOVE_ENTRIES = 128 * 64
 SCAN_ENTRIES = 128 * 128  # the scan's tile: the whole table of MAX_SORT_PROGRAMS x 128 experts in one load
 ATOMIC_PAIRS_EACH, ATOMIC_TILE = 256, 256  # the atomic sort (`_atomic_count_and_scatter`): a program's pairs, a tile
+# up to this many pairs the sort is one program sorting them in registers (`_align_sorted_program_kernel`)
+SORTED_PROGRAM_PAIRS = 128
 FILL_TILE = tl.constexpr(1024)  # pad ids a store writes: the one-program sort fills its 2,048 rows (16 tokens of Qwen3) in two
 
 
@@ -216,6 +218,32 @@ def _align_one_program_kernel(
                    num_pairs, num_experts, max_blocks, max_blocks, num_pairs, BLOCK_M, EXPERTS_PAD, TILE)
 
 
+@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])
+def _align_sorted_program_kernel(
+    p_ids, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows, max_blocks,
+    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCKS_TILE: tl.constexpr,
+    USE_PDL: tl.constexpr,
+):
+    """The whole sort in one program by sorting the keys expert * PAIRS_PAD + pair in registers: the i-th key's pair
+    goes to row i plus the padding of the runs before its expert's. No [pairs, E] one-hot tile: a histogram, a
+    bitonic sort and a gather. The same layout as the other paths (each run in pair order)."""
+    wait_for_prior_grid(USE_PDL)
+    o_p = tl.arange(0, PAIRS_PAD)
+    m_p = o_p < num_pairs
+    b_ids = tl.load(p_ids + o_p, mask=m_p, other=0).to(tl.int32)
+    o_e = tl.arange(0, EXPERTS_PAD)
+    b_count = tl.histogram(b_ids, EXPERTS_PAD) - tl.where(o_e == 0, PAIRS_PAD - num_pairs, 0)  # masked pairs read 0
+    b_padded, b_end = _padded_runs(b_count, BLOCK_M)
+    b_padding_before = b_end - b_padded - (tl.cumsum(b_count, 0) - b_count)  # [E]
+    b_key = tl.sort(tl.where(m_p, b_ids, EXPERTS_PAD) * PAIRS_PAD + o_p)  # the masked pairs sort last
+    b_expert = tl.minimum(b_key // PAIRS_PAD, EXPERTS_PAD - 1)
+    _fill_pad_ids(p_sorted_ids, 0, max_rows, num_pairs, FILL_TILE)
+    tl.debug_barrier()  # NOTE: the pad ids above must land before the pair ids that overwrite some of them
+    tl.store(p_sorted_ids + o_p + tl.gather(b_padding_before, b_expert, 0), b_key % PAIRS_PAD, mask=m_p)
+    _store_block_experts(p_block_expert, b_end, 0, max_blocks, num_experts, BLOCK_M, BLOCKS_TILE)
+    tl.store(p_num_padded, tl.max(b_end, 0))
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_experts", "max_rows", "max_blocks", "pairs_each", "rows_each",
                                "num_programs"])  # fmt: skip
 def _atomic_count_kernel(
@@ -319,11 +347,12 @@ def sort_chunks(num_pairs: int, tile: int, max_programs: int = MAX_SORT_PROGRAMS
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None,
                         chunk: int | None = None, scan: bool | None = None, max_programs: int = MAX_SORT_PROGRAMS,
-                        atomic: bool = False, pdl: bool = False):  # fmt: skip
-    """`align_tokens` in one launch of one program up to ONE_PROGRAM_CHUNKS CHUNKs of pairs, else count then scatter
-    (at most `max_programs` programs, each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the
-    counts between the two past SCAN_ABOVE_ENTRIES (`scans_counts`); with `atomic` the atomic sort, whose runs hold
-    their pairs in any order. `one_program` and `scan` force a path. `pdl`: each launch dependent on the one before it
+                        atomic: bool = False, pdl: bool = False, sorted_program: bool | None = None):  # fmt: skip
+    """`align_tokens` in one launch of one program sorting the pairs up to SORTED_PROGRAM_PAIRS, or of one program
+    of one-hot tiles up to ONE_PROGRAM_CHUNKS CHUNKs, else count then scatter (at most `max_programs` programs,
+    each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the counts between the two past
+    SCAN_ABOVE_ENTRIES (`scans_counts`); with `atomic` the atomic sort, whose runs hold their pairs in any order.
+    `sorted_program`, `one_program` and `scan` force a path. `pdl`: each launch dependent on the one before it
     (`rimuru.ops.dependent_launch`), where the device can."""
     num_pairs = topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
@@ -332,8 +361,12 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
            torch.empty(1, dtype=torch.int32, device=topk_ids.device))  # num_padded
     ids = topk_ids.contiguous()
     use_one_program = triton.cdiv(num_pairs, CHUNK) <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
+    if sorted_program is None:
+        sorted_program = one_program is None and not atomic and num_pairs <= SORTED_PROGRAM_PAIRS
     pdl = pdl and pdl_supported(ids.device)
-    if atomic:
+    if sorted_program:
+        _sorted_program(ids, out, num_experts, block_m, pdl)
+    elif atomic:
         _atomic_count_and_scatter(ids, out, num_experts, block_m, pdl=pdl)
     elif use_one_program:
         _align_one_program_kernel[(1,)](
@@ -345,6 +378,17 @@ def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, 
         _count_and_scatter(ids, out, num_experts, block_m, chunk or count_chunk(num_pairs, num_experts), scan,
                            max_programs, pdl)  # fmt: skip
     return out
+
+
+def _sorted_program(ids, out, num_experts: int, block_m: int, pdl: bool) -> None:
+    """The sort as one program sorting the pairs in registers (`_align_sorted_program_kernel`), into `out`."""
+    sorted_ids, block_expert, _ = out
+    experts_pad = triton.next_power_of_2(num_experts)
+    _align_sorted_program_kernel[(1,)](
+        ids, *out, ids.numel(), num_experts, sorted_ids.numel(), block_expert.numel(), BLOCK_M=block_m,
+        EXPERTS_PAD=experts_pad, PAIRS_PAD=max(16, triton.next_power_of_2(ids.numel())),
+        BLOCKS_TILE=max(16, TILE_ENTRIES // experts_pad), USE_PDL=pdl, num_warps=4, **launch_options(pdl),
+    )
 
 
 def _count_and_scatter(ids, out, num_experts: int, block_m: int, tile: int, scan: bool | None,

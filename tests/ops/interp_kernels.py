@@ -257,6 +257,16 @@ def test_align_tokens_either_path(num_pairs, num_experts, block_m, one_program):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES[:5] + SMALL_ALIGN_CASES + [(1024, 128, 16)])
+def test_the_sorted_program_lays_out_what_torch_does(num_pairs, num_experts, block_m):
+    """The one program that sorts the pairs in registers, at any pair count it may take: the torch layout exactly
+    (each run in pair order), 1,024 pairs in one sort included."""
+    topk_ids = torch.randint(0, num_experts, (num_pairs, 1), generator=torch.Generator().manual_seed(num_pairs))
+    ref = align_tokens_torch(topk_ids, num_experts, block_m)
+    for a, b in zip(ref, align_tokens_triton(topk_ids, num_experts, block_m, sorted_program=True)):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("num_pairs,num_experts,block_m", [(1, 4, 16), (130, 60, 16), (700, 128, 64),
                                                            (1000, 128, 16), (9000, 4, 16), (600, 60, 128)])
 def test_atomic_sort_lays_out_the_same_runs(num_pairs, num_experts, block_m):

@@ -37,6 +37,7 @@ from rimuru.ops.moe_align import (
     CHUNK,
     MAX_SORT_PROGRAMS,
     ONE_PROGRAM_CHUNKS,
+    SORTED_PROGRAM_PAIRS,
     align_tokens,
     align_tokens_triton,
     count_chunk,
@@ -103,10 +104,13 @@ def time_align(row, ids, shape, cfg, smoke):
         row["align_us"], row["align_path"] = 0.0, "pair blocks, no sort"
     else:
         row["align_us"] = time_graph_us(lambda: align_tokens(ids, num_experts, cfg["BLOCK_M"]), smoke)
-        row["align_path"] = "one program" if -(-num_pairs // CHUNK) <= ONE_PROGRAM_CHUNKS else \
+        row["align_path"] = "sorted program" if num_pairs <= SORTED_PROGRAM_PAIRS else \
+            "one program" if -(-num_pairs // CHUNK) <= ONE_PROGRAM_CHUNKS else \
             f"count + {'scan + ' if scans_counts(num_chunks, experts_pad) else ''}scatter, {num_chunks} programs of " \
             f"{pairs_each // tile} {tile}-pair tile(s)"
     paths = {}
+    if num_pairs <= 1024:
+        paths["sorted program"] = {"sorted_program": True}
     if num_chunks <= 8:
         paths["one program"] = {"one_program": True}
     paths["count + scatter"] = {"one_program": False, "scan": False}
