@@ -7,6 +7,9 @@ forward, sample). Writes a Chrome trace when `--trace` is given.
     python -m tools.engine.profile_step MODEL_DIR --stream stream.jsonl --load-format dummy --num-requests 200
     python -m tools.engine.profile_step MODEL_DIR --stream stream.jsonl --load-format dummy --num-requests 64 \
         --gpu-memory-budget 30GiB --expert-policy fixed --offload-per-layer 8     # the hook's share of a step
+
+`--stub-attention` replaces every layer's attention with a copy of its query before the graphs are captured: the
+step's time without attention, whatever a profiler says a kernel takes inside it (the tokens are then not the model's).
 """
 
 import argparse
@@ -15,6 +18,7 @@ import time
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+import rimuru.ops as ops
 from rimuru.benchmark import read_stream
 from rimuru.config import EngineConfig
 from rimuru.engine import Engine
@@ -100,8 +104,12 @@ def main() -> None:
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
     parser.add_argument("--max-tokens", type=int, default=4096, help="each request's allowance (sizes the batch)")
     parser.add_argument("--context", type=int, default=None, help="every prompt cycled to this many tokens")
+    parser.add_argument("--stub-attention", action="store_true",
+                        help="timing only: each layer's attention a copy of its query (what attention costs a step)")
     add_engine_arguments(parser)
     args = parser.parse_args()
+    if args.stub_attention:  # before the engine captures its graphs; the tokens change, the other kernels' work not
+        ops.paged_attention = lambda query, *_: query.clone()
     engine = Engine(EngineConfig(model=args.model, **engine_options(args)))
     requests = read_stream(args.stream, args.num_requests)
     if args.context:
