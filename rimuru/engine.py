@@ -32,6 +32,7 @@ from rimuru.memory_profile import ProfileShapes, profile_step_memory
 from rimuru.model_runner import ModelRunner
 from rimuru.models import ModelConfig, from_pretrained, parallel
 from rimuru.models.checkpoint import resolve_folder
+from rimuru.pending_tokens import PendingTokens
 from rimuru.pool_adjuster import PoolAdjuster, build_adjuster
 from rimuru.popularity import ExpertPopularity
 from rimuru.request import Request
@@ -131,6 +132,8 @@ class Engine:
         if self.workers:
             self.runner.before_pass, self.runner.before_replay = self._send_pass, self._send_replay
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
+        self.async_scheduling = config.async_scheduling is not False and self.adjuster is None and not self.workers
+        self.in_flight: PendingTokens | None = None  # the last step's tokens, not yet read (async scheduling)
         self.tokenizer = load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, eos_token_ids(folder, self.model_config))
         self.requests: dict[str, Request] = {}
@@ -371,13 +374,13 @@ class Engine:
             self.scheduler.finish(request, "abort")
 
     def has_unfinished(self) -> bool:
-        return not self.closed and self.scheduler.has_unfinished()
+        return not self.closed and (self.scheduler.has_unfinished() or self.in_flight is not None)
 
     # ---- closing -----------------------------------------------------------------------------------------------
 
     # what holds the pool, the graphs' memory, the weights and the pinned host experts
-    _HOLDERS = ("runner", "scheduler", "kv_cache", "expert_manager", "adjuster", "experts", "allocator", "pool",
-                "loaded")
+    _HOLDERS = ("in_flight", "runner", "scheduler", "kv_cache", "expert_manager", "adjuster", "experts", "allocator",
+                "pool", "loaded")
 
     def close(self) -> None:
         """Give the GPU memory (pool, CUDA graphs, weights) and the pinned host experts back now, unfinished requests
@@ -416,7 +419,8 @@ class Engine:
     # ---- the loop ----------------------------------------------------------------------------------------------
 
     def step(self) -> list[Request]:
-        """One scheduling round; returns the requests that got a token or finished (finished ones are forgotten)."""
+        """One scheduling round; returns the requests that got a token or finished (finished ones are forgotten).
+        With async scheduling the tokens returned are the round before's, read once this round's pass is queued."""
         self._check_open()
         clock = _PhaseClock()
         batch = self.scheduler.schedule()
@@ -456,18 +460,32 @@ class Engine:
         return self.allocator.expert_pages_for(self.scheduler.growth_pages() - split_free)
 
     def _run(self, batch) -> list[Request]:
-        if not batch.requests:
-            return []
-        logits, rows = self.runner.execute(batch)  # [B', V]
-        self._while_the_pass_runs()
-        for request, num_new in zip(batch.requests, batch.num_new_tokens):
-            request.num_computed_tokens += num_new
-        sampled = [batch.requests[row] for row in rows]
-        tokens, logprobs = self.sampler(logits, sampled)
-        for request, token, logprob in zip(sampled, tokens, logprobs):
-            self._append(request, token, logprob)
-        self.num_steps += 1
-        return sampled
+        """The round's pass and sampling; then the tokens of the round before (async scheduling) and, unless this
+        round's stay on the device for the next, this round's."""
+        pending, self.in_flight = self.in_flight, None
+        sampled, tokens, logprobs = [], [], []
+        if batch.requests:
+            logits, rows = self.runner.execute(batch, pending)  # [B', V]
+            self._while_the_pass_runs()
+            for request, num_new in zip(batch.requests, batch.num_new_tokens):
+                request.num_computed_tokens += num_new
+            sampled = [batch.requests[row] for row in rows]
+            if self.async_scheduling and all(r.params.logprobs is None for r in sampled):
+                self.in_flight = PendingTokens(sampled, self.sampler.sample(logits, sampled))
+            else:
+                tokens, logprobs = self.sampler(logits, sampled)
+            self.num_steps += 1
+        updated = [] if pending is None else self._take(pending.requests, pending.wait(), [None] * len(pending.requests))
+        return updated if self.in_flight is not None else updated + self._take(sampled, tokens, logprobs)
+
+    def _take(self, requests: list[Request], tokens: list[int], logprobs: list) -> list[Request]:
+        """Each request's new token, but for requests finished since it was sampled (a token of the round before
+        ended them, or an abort): the ones that took theirs."""
+        taken = [request for request in requests if not request.is_finished]
+        for request, token, logprob in zip(requests, tokens, logprobs):
+            if not request.is_finished:
+                self._append(request, token, logprob)
+        return taken
 
     def _while_the_pass_runs(self) -> None:
         """Host work that needs nothing of the pass just launched, done before the sampler waits for it: on a GPU it

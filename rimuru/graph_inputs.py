@@ -89,6 +89,7 @@ class GraphInputs:
             return
         num_requests = len(inputs.seq_lens)
         self.input_ids[:num_requests].copy_(inputs.input_ids, non_blocking=True)
+        inputs.fill_pending(self.input_ids)
         self.positions[:num_requests].copy_(inputs.positions, non_blocking=True)
         self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
         self.seq_lens[:num_requests].copy_(inputs.seq_lens, non_blocking=True)
@@ -141,6 +142,7 @@ class GraphInputs:
         sampled = torch.zeros(shape.sampled, dtype=torch.int64)
         sampled[:num_sampled] = inputs.logits_indices
         self.input_ids[:num_tokens].copy_(inputs.input_ids, non_blocking=True)
+        inputs.fill_pending(self.input_ids)
         self.positions[: shape.tokens].copy_(torch.cat([inputs.positions, positions]), non_blocking=True)
         self.slots[:num_requests].copy_(inputs.slots, non_blocking=True)
         self.seq_lens[: shape.requests].copy_(torch.cat([inputs.seq_lens, seq_lens]), non_blocking=True)

@@ -16,6 +16,7 @@ from rimuru.expert_manager import ExpertManager
 from rimuru.kv_cache import KVCacheManager
 from rimuru.linear_state_cache import LinearStateCache
 from rimuru.models import ForwardContext, QwenMoeForCausalLM
+from rimuru.pending_tokens import PendingTokens
 from rimuru.scheduler import ScheduledBatch
 from rimuru.step_graphs import StepGraphs
 
@@ -34,6 +35,16 @@ class StepInputs:
     request_ids: list[str] = field(default_factory=list)  # [B], whose state pages a hybrid model's linear layers read
     # a hybrid model's state pages of the batch ([L_linear, B] SSM and conv page ids; None: no linear layers)
     state_tables: tuple[torch.Tensor, torch.Tensor] | None = None
+    # token rows whose id is still on the device (sampled by the step before: async scheduling), and their requests
+    pending_rows: list[int] = field(default_factory=list)
+    pending_request_ids: list[str] = field(default_factory=list)
+    pending_ids: tuple[torch.Tensor, torch.Tensor] | None = None  # (rows, ids) on the device, from `ModelRunner`
+
+    def fill_pending(self, input_ids: torch.Tensor) -> None:
+        """The pending tokens' ids into the step's input ids on the device (`input_ids` [T])."""
+        if self.pending_ids is not None:
+            rows, ids = self.pending_ids
+            input_ids[rows] = ids
 
     @property
     def continues(self) -> torch.Tensor:
@@ -59,9 +70,13 @@ class ModelRunner:
         self.num_graph_steps = 0  # steps run as graph replays
 
     @torch.inference_mode()
-    def execute(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[int]]:
-        """Logits [B', V] (fp32) for the requests that finish their known tokens this round, and their batch rows."""
+    def execute(self, batch: ScheduledBatch, pending: PendingTokens | None = None) -> tuple[torch.Tensor, list[int]]:
+        """Logits [B', V] (fp32) for the requests that finish their known tokens this round, and their batch rows.
+        `pending`: the step before's tokens not yet on the host, which this step's input ids take on the device."""
         inputs = self.prepare(batch)
+        if inputs.pending_rows:
+            rows = torch.tensor(inputs.pending_rows, dtype=torch.int64).to(self.device, non_blocking=True)
+            inputs.pending_ids = rows, pending.device_ids(inputs.pending_request_ids, self.device)
         shape = self.graphs.shape_for(inputs) if self.graphs is not None else None
         if shape is not None:
             table_entries = self.kv_cache.sync_device()  # the graphs gather the batch's page tables on the device
@@ -73,6 +88,7 @@ class ModelRunner:
             self.num_graph_steps += 1
             return self.graphs.run(inputs, hook, shape).float(), inputs.sample_rows
         input_ids, ctx = inputs.input_ids.to(self.device, non_blocking=True), self.context(inputs)
+        inputs.fill_pending(input_ids)
         if self.before_pass is not None:
             self.before_pass(input_ids, ctx)
         logits = self.model(input_ids, ctx)  # [B', V]
@@ -137,6 +153,8 @@ def step_inputs(batch: ScheduledBatch, slot_of) -> StepInputs:
     query_starts = list(itertools.accumulate(counts, initial=0))
     # every known token computed: sample the next one
     sample_rows = [row for row, (request, end) in enumerate(zip(requests, ends)) if end == request.num_tokens]
+    # a pending token (async scheduling) is a request's last; its id comes from the device
+    pending = [(row, request) for row, (request, end) in enumerate(zip(requests, ends)) if end > request.num_known_tokens]
     return StepInputs(
         input_ids=_int_tensor([t for r, a, b in zip(requests, starts, ends) for t in r.token_ids(a, b)], np.int64),
         positions=_int_tensor([p for a, b in zip(starts, ends) for p in range(a, b)], np.int64),
@@ -146,6 +164,8 @@ def step_inputs(batch: ScheduledBatch, slot_of) -> StepInputs:
         seq_lens=_int_tensor(ends, np.int32),
         logits_indices=_int_tensor([query_starts[row + 1] - 1 for row in sample_rows], np.int64),
         sample_rows=sample_rows,
+        pending_rows=[query_starts[row + 1] - 1 for row, _ in pending],
+        pending_request_ids=[request.request_id for _, request in pending],
     )
 
 

@@ -24,6 +24,11 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[dict[int, float] | None]]:
         """Token ids and (where asked) {token: logprob} for each row of `logits` [B, V] (fp32)."""
+        token_list = self.sample(logits, requests).tolist()
+        return token_list, logprobs_of(logits, requests, token_list)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+        """[B] int64 token ids on the logits' device, without waiting for them."""
         tokens = logits.argmax(dim=-1)  # [B]
         unseeded = [row for row, r in enumerate(requests) if not r.params.is_greedy and r.generator is None]
         for chunk in _chunks(unseeded):
@@ -33,8 +38,7 @@ class Sampler:
             if not request.params.is_greedy and request.generator is not None:
                 probs = filtered_row(logits[row], request.params)  # [V]
                 tokens[row] = torch.multinomial(probs, 1, generator=request.generator)[0]
-        token_list = tokens.tolist()
-        return token_list, logprobs_of(logits, requests, token_list)
+        return tokens
 
 
 def filtered_row(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:  # logits [V] -> probs [V]

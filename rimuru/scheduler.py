@@ -114,8 +114,10 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            num_new = self._num_new(request, budget)
-            if num_new == 0:  # a hybrid's prompt chunk waits for a round whose budget reaches its next block
+            num_new = 0 if request.reaches_max_tokens else self._num_new(request, budget)
+            # 0: a hybrid's prompt chunk waits for a round whose budget reaches its next block, or the request's
+            # pending token is its last (async scheduling: it finishes when the token reaches the host)
+            if num_new == 0:
                 index += 1
                 continue
             placed = self._allocate_or_preempt(request, num_new, batch)

@@ -22,6 +22,8 @@ import rimuru.ops as ops
 from rimuru.benchmark import read_stream
 from rimuru.config import EngineConfig
 from rimuru.engine import Engine
+from rimuru.pending_tokens import PendingTokens
+from rimuru.sampler import Sampler
 from rimuru.sampling_params import SamplingParams
 from rimuru.serving.cli import add_engine_arguments, engine_options
 
@@ -55,7 +57,9 @@ def host_phases(engine: Engine, steps: int) -> dict[str, float]:
     totals: dict[str, float] = {}
     manager = engine.expert_manager
     phases = [(engine.scheduler, "schedule", "schedule"), (engine.runner, "prepare", "prepare"),
-              (engine, "sampler", "sample (waits for the GPU)"), (engine, "_append", "append and stop checks"),
+              (Sampler, "__call__", "sample, waiting for the GPU (no async scheduling)"),
+              (PendingTokens, "wait", "wait for the last step's tokens (async scheduling)"),
+              (engine, "_append", "append and stop checks"),
               (manager, "begin_step", "expert changes"), (manager, "end_step", "expert changes"),
               (engine, "_adjust", "adjuster round"), (engine.adjuster, "observe", "cost rule: observe")]  # fmt: skip
     phases = [(obj, name, label) for obj, name, label in phases if hasattr(obj, name)]

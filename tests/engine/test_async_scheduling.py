@@ -1,0 +1,85 @@
+"""Async scheduling (a step launched before the tokens of the one before are read) changes no token: greedy and
+seeded outputs, stops, logprobs, preemption and aborts the same as with every step read before the next."""
+
+import pytest
+
+from rimuru import LLM, SamplingParams
+from rimuru.pending_tokens import PendingTokens
+from tests.engine.conftest import MAX_TOKENS, expect_no_growth
+from tests.engine.test_generate import GREEDY, tight_budget
+
+
+def mixed_params(expected: list[list[int]], logprobs: bool = False) -> list[SamplingParams]:
+    """A request per prompt, of every kind whose tokens a deferred read could disturb: stop ids met early (the next
+    step already runs them), stop strings, seeded sampling, n = 2, short max_tokens; with `logprobs` one that asks
+    for logprobs too (every step it runs in reads its tokens at once)."""
+    kinds = [
+        lambda e: SamplingParams(temperature=0, max_tokens=MAX_TOKENS, stop_token_ids=[e[3]]),
+        lambda e: SamplingParams(temperature=1.0, top_p=0.9, seed=5, max_tokens=MAX_TOKENS, ignore_eos=True),
+        lambda e: SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+        lambda e: SamplingParams(temperature=0, max_tokens=4, ignore_eos=True, logprobs=2 if logprobs else None),
+        lambda e: SamplingParams(n=2, temperature=0.8, seed=9, max_tokens=MAX_TOKENS, ignore_eos=True),
+        lambda e: SamplingParams(temperature=0, max_tokens=MAX_TOKENS, ignore_eos=True, stop=["a"]),
+        lambda e: GREEDY,
+    ]
+    return [kinds[i % len(kinds)](e) for i, e in enumerate(expected)]
+
+
+def outputs(folder, prompts, params, **options) -> list[tuple]:
+    llm = LLM(folder, progress=False, expert_policy="resident", **options)
+    results = llm.generate(prompts, params, use_tqdm=False)
+    engine = llm.engine
+    assert engine.allocator.stats()["kv_used_pages"] == 0 and not engine.has_unfinished()
+    engine.allocator.check_integrity()
+    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in r.outputs] for r in results], \
+        engine.num_steps
+
+
+@pytest.mark.parametrize("options", [{}, {"max_num_batched_tokens": 7, "max_num_seqs": 3}], ids=["whole", "chunked"])
+def test_deferred_reads_give_the_same_outputs(family, monkeypatch, options):
+    folder, prompts, expected = family
+    params = mixed_params(expected, logprobs=not options)
+    reads = []
+    monkeypatch.setattr(PendingTokens, "wait", lambda self, wait=PendingTokens.wait: reads.append(1) or wait(self))
+    deferred, steps = outputs(folder, prompts, params, async_scheduling=True, **options)
+    assert len(reads) > steps / 2  # most steps' tokens were read a step late (not those that ran the logprobs)
+    reads.clear()
+    assert deferred == outputs(folder, prompts, params, async_scheduling=False, **options)[0]
+    assert not reads
+    greedy = [i for i, p in enumerate(params) if p is GREEDY]
+    assert greedy and all(deferred[i][0][0] == expected[i] for i in greedy)  # Hugging Face's tokens
+
+
+@pytest.mark.parametrize("preemption", ["swap", "recompute"])
+def test_preemption_with_a_token_in_flight_keeps_hf_tokens(family, monkeypatch, preemption):
+    """Victims chosen while their last token is still on the device: saved or recomputed, Hugging Face's tokens."""
+    folder, prompts, expected = family
+    expect_no_growth(monkeypatch)
+    budget = tight_budget(folder, 2 * (max(map(len, prompts)) + MAX_TOKENS))
+    llm = LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget, preemption=preemption)
+    assert llm.engine.async_scheduling
+    tokens = [o.outputs[0].token_ids for o in llm.generate(prompts, GREEDY, use_tqdm=False)]
+    assert llm.engine.scheduler.num_preemptions > 0 and tokens == expected
+    assert llm.engine.allocator.stats()["kv_used_pages"] == 0
+
+
+def test_an_abort_while_its_token_is_in_flight_frees_everything(family):
+    folder, prompts, expected = family
+    engine = LLM(folder, progress=False, expert_policy="resident").engine
+    engine.add_request("kept", prompts[0], GREEDY)
+    engine.add_request("dropped", prompts[1], GREEDY)
+    for _ in range(3):
+        engine.step()
+    assert engine.in_flight is not None and "dropped" in engine.in_flight.row_of
+    engine.abort("dropped")
+    done = {}
+    while engine.has_unfinished():
+        done |= {r.request_id: list(r.output_token_ids) for r in engine.step() if r.is_finished}
+    assert done == {"kept": expected[0]}
+    assert engine.allocator.stats()["kv_used_pages"] == 0
+
+
+def test_async_scheduling_is_refused_where_experts_move_under_a_pass(family):
+    with pytest.raises(ValueError, match="async_scheduling needs expert_policy 'resident' or 'fixed'"):
+        LLM(family[0], progress=False, expert_policy="elastic", async_scheduling=True)
+    assert not LLM(family[0], progress=False, expert_policy="elastic").engine.async_scheduling
