@@ -4,9 +4,9 @@ Owns `align_tokens`, with fixed upper-bound buffers so it never synchronises wit
 it. On CUDA: per-chunk expert counts (at most MAX_SORT_PROGRAMS programs, each a chunk of whole [tile, E] one-hot
 tiles), then a scatter; each scatter program sums the counts of the chunks before its own, or past
 SCAN_ABOVE_ENTRIES count-table entries one program scans the table first (that sum grew with chunks x experts),
-and for decode batches of up to ONE_PROGRAM_CHUNKS CHUNKs one launch of one program does all of it, where the
-torch path's ~25 small launches are host bound (times in docs/benchmarks/kernels.md). The torch path (argsort,
-cumsum, scatter) serves CPU. Every path gives the same layout, which the interpreter tests check. A single token
+and for decode batches of up to SORTED_PROGRAM_PAIRS pairs one launch of one program does all of it, sorting the
+keys expert * pairs + pair in registers, where the torch path's ~25 small launches are host bound (times in
+docs/benchmarks/kernels.md). The torch path (argsort, cumsum, scatter) serves CPU. Every path gives the same layout, which the interpreter tests check. A single token
 needs no sort: `gemm_layout` gives it `pair_blocks`, one M block a (token, k) pair (so do a few tokens where the
 tuned config says `PAIR_BLOCKS`). The atomic sort (`_atomic_count_and_scatter`, where a tuned config says
 `ATOMIC_SORT`) counts and places each pair with an atomic instead of one-hot tiles, in two launches and a memset:
@@ -27,7 +27,6 @@ import triton.language as tl
 from rimuru.ops.dependent_launch import launch_options, pdl_supported, wait_for_prior_grid
 
 CHUNK = 128  # pairs a sort program holds in registers at most: its [tile, E] one-hot tiles
-ONE_PROGRAM_CHUNKS = 1  # up to this many CHUNKs of pairs the whole sort is one launch of one program
 # count + scatter take tiles smaller than CHUNK while that keeps at least this many programs: the [tile, E]
 # one-hot tiles are the kernels' work (with 128-pair tiles most of the two launches' time was the graph's own
 # floor on the H200: docs/benchmarks/kernels.md, the sort)
@@ -45,8 +44,9 @@ MAX_SORT_PROGRAMS = 128
 SCAN_ABOVE_ENTRIES = 128 * 64
 SCAN_ENTRIES = 128 * 128  # the scan's tile: the whole table of MAX_SORT_PROGRAMS x 128 experts in one load
 ATOMIC_PAIRS_EACH, ATOMIC_TILE = 256, 256  # the atomic sort (`_atomic_count_and_scatter`): a program's pairs, a tile
-# up to this many pairs the sort is one program sorting them in registers (`_align_sorted_program_kernel`)
-SORTED_PROGRAM_PAIRS = 128
+# up to this many pairs the sort is one program sorting them in registers (`_align_sorted_program_kernel`); it can
+# take up to ONE_PROGRAM_MAX_PAIRS (its registers), which the tests and tools force
+SORTED_PROGRAM_PAIRS, ONE_PROGRAM_MAX_PAIRS = 256, 1024
 FILL_TILE = tl.constexpr(1024)  # pad ids a store writes: the one-program sort fills its 2,048 rows (16 tokens of Qwen3) in two
 
 
@@ -205,20 +205,6 @@ def _store_block_experts(p_block_expert, b_end, block_start, block_end, num_expe
 
 
 @triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])
-def _align_one_program_kernel(
-    p_ids, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows, max_blocks,
-    BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, TILE: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """The whole sort in one program (decode batches): count, pad, scatter and block experts, one launch."""
-    wait_for_prior_grid(USE_PDL)
-    b_padded, b_end = _padded_runs(_range_counts(p_ids, 0, num_pairs, EXPERTS_PAD, TILE), BLOCK_M)
-    _fill_pad_ids(p_sorted_ids, 0, max_rows, num_pairs, FILL_TILE)
-    tl.debug_barrier()  # NOTE: the pad ids above must land before the pair ids that overwrite some of them
-    _scatter_chunk(p_ids, p_sorted_ids, p_block_expert, p_num_padded, tl.program_id(0), b_end - b_padded, b_end,
-                   num_pairs, num_experts, max_blocks, max_blocks, num_pairs, BLOCK_M, EXPERTS_PAD, TILE)
-
-
-@triton.jit(do_not_specialize=["num_pairs", "max_rows", "max_blocks"])
 def _align_sorted_program_kernel(
     p_ids, p_sorted_ids, p_block_expert, p_num_padded, num_pairs, num_experts, max_rows, max_blocks,
     BLOCK_M: tl.constexpr, EXPERTS_PAD: tl.constexpr, PAIRS_PAD: tl.constexpr, BLOCKS_TILE: tl.constexpr,
@@ -314,13 +300,6 @@ def tile_chunk(num_experts: int) -> int:
     return min(CHUNK, max(16, TILE_ENTRIES // triton.next_power_of_2(num_experts)))
 
 
-def one_program_chunk(num_pairs: int, num_experts: int) -> int:
-    """Pairs the one-program sort takes a pass: the batch's pairs to the next power of two (at least 16, at most
-    `tile_chunk`). Its [tile, E] one-hot tiles are the kernel's work: at 8 or 64 pairs a 128-row tile is 16x or 2x
-    too big, and the sort's time follows the tile (docs/benchmarks/kernels.md)."""
-    return min(tile_chunk(num_experts), max(16, triton.next_power_of_2(num_pairs)))
-
-
 def count_chunk(num_pairs: int, num_experts: int) -> int:
     """Pairs a count (and scatter) tile holds: `tile_chunk`, or less while the tiles stay at least COUNT_PROGRAMS
     (a power of two, at least 16): 512 pairs -> 32."""
@@ -347,33 +326,26 @@ def sort_chunks(num_pairs: int, tile: int, max_programs: int = MAX_SORT_PROGRAMS
 
 def align_tokens_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int, one_program: bool | None = None,
                         chunk: int | None = None, scan: bool | None = None, max_programs: int = MAX_SORT_PROGRAMS,
-                        atomic: bool = False, pdl: bool = False, sorted_program: bool | None = None):  # fmt: skip
-    """`align_tokens` in one launch of one program sorting the pairs up to SORTED_PROGRAM_PAIRS, or of one program
-    of one-hot tiles up to ONE_PROGRAM_CHUNKS CHUNKs, else count then scatter (at most `max_programs` programs,
-    each whole tiles of `count_chunk` pairs, or `chunk`), with a scan of the counts between the two past
-    SCAN_ABOVE_ENTRIES (`scans_counts`); with `atomic` the atomic sort, whose runs hold their pairs in any order.
-    `sorted_program`, `one_program` and `scan` force a path. `pdl`: each launch dependent on the one before it
-    (`rimuru.ops.dependent_launch`), where the device can."""
+                        atomic: bool = False, pdl: bool = False):  # fmt: skip
+    """`align_tokens` in one launch of one program sorting the pairs in registers up to SORTED_PROGRAM_PAIRS, else
+    count then scatter (at most `max_programs` programs, each whole tiles of `count_chunk` pairs, or `chunk`), with
+    a scan of the counts between the two past SCAN_ABOVE_ENTRIES (`scans_counts`); with `atomic` the atomic sort,
+    whose runs hold their pairs in any order. `one_program` and `scan` force a path. `pdl`: each launch dependent on
+    the one before it (`rimuru.ops.dependent_launch`), where the device can."""
     num_pairs = topk_ids.numel()
     max_rows = max_padded_rows(num_pairs, num_experts, block_m)
     out = (torch.empty(max_rows, dtype=torch.int32, device=topk_ids.device),  # sorted_ids
            torch.empty(max_rows // block_m, dtype=torch.int32, device=topk_ids.device),  # block_expert
            torch.empty(1, dtype=torch.int32, device=topk_ids.device))  # num_padded
     ids = topk_ids.contiguous()
-    use_one_program = triton.cdiv(num_pairs, CHUNK) <= ONE_PROGRAM_CHUNKS if one_program is None else one_program
-    if sorted_program is None:
-        sorted_program = one_program is None and not atomic and num_pairs <= SORTED_PROGRAM_PAIRS
+    if one_program is None:
+        one_program = not atomic and num_pairs <= SORTED_PROGRAM_PAIRS
+    assert not one_program or num_pairs <= ONE_PROGRAM_MAX_PAIRS, f"{num_pairs} pairs are too many for one program"
     pdl = pdl and pdl_supported(ids.device)
-    if sorted_program:
+    if one_program:
         _sorted_program(ids, out, num_experts, block_m, pdl)
     elif atomic:
         _atomic_count_and_scatter(ids, out, num_experts, block_m, pdl=pdl)
-    elif use_one_program:
-        _align_one_program_kernel[(1,)](
-            ids, *out, num_pairs, num_experts, max_rows, out[1].numel(), BLOCK_M=block_m,
-            EXPERTS_PAD=triton.next_power_of_2(num_experts), TILE=one_program_chunk(num_pairs, num_experts),
-            USE_PDL=pdl, num_warps=8, **launch_options(pdl),
-        )
     else:
         _count_and_scatter(ids, out, num_experts, block_m, chunk or count_chunk(num_pairs, num_experts), scan,
                            max_programs, pdl)  # fmt: skip

@@ -36,7 +36,7 @@ from rimuru.pending_tokens import PendingTokens
 from rimuru.pool_adjuster import PoolAdjuster, build_adjuster
 from rimuru.popularity import ExpertPopularity
 from rimuru.request import Request
-from rimuru.sampler import Sampler
+from rimuru.sampler import Sampler, logprob_tensors
 from rimuru.sampling_params import SamplingParams
 from rimuru.scheduler import Scheduler, SchedulerConfig
 from rimuru.step_graphs import (
@@ -470,12 +470,14 @@ class Engine:
             for request, num_new in zip(batch.requests, batch.num_new_tokens):
                 request.num_computed_tokens += num_new
             sampled = [batch.requests[row] for row in rows]
-            if self.async_scheduling and all(r.params.logprobs is None for r in sampled):
-                self.in_flight = PendingTokens(sampled, self.sampler.sample(logits, sampled))
+            if self.async_scheduling:
+                sampled_tokens = self.sampler.sample(logits, sampled)
+                found = logprob_tensors(logits, sampled, sampled_tokens)
+                self.in_flight = PendingTokens(sampled, sampled_tokens, found)
             else:
                 tokens, logprobs = self.sampler(logits, sampled)
             self.num_steps += 1
-        updated = [] if pending is None else self._take(pending.requests, pending.wait(), [None] * len(pending.requests))
+        updated = [] if pending is None else self._take(pending.requests, *pending.wait())
         return updated if self.in_flight is not None else updated + self._take(sampled, tokens, logprobs)
 
     def _take(self, requests: list[Request], tokens: list[int], logprobs: list) -> list[Request]:

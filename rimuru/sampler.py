@@ -94,25 +94,36 @@ def _top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:  # probs [
 
 
 def logprobs_of(logits: torch.Tensor, requests: list[Request], tokens: list[int]) -> list[dict[int, float] | None]:
-    """{chosen token: logprob} plus each asking row's top `logprobs` tokens, None for rows that do not ask; the
-    rows that ask in a log-softmax and a top-k a chunk of rows, and one copy to the host."""
+    """{chosen token: logprob} plus each asking row's top `logprobs` tokens, None for rows that do not ask."""
+    found = logprob_tensors(logits, requests, torch.tensor(tokens, device=logits.device))
+    return logprob_dicts(requests, tokens, None if found is None else [t.tolist() for t in found])
+
+
+def logprob_tensors(logits: torch.Tensor, requests: list[Request], tokens: torch.Tensor) -> tuple | None:
+    """On the device, for the rows that ask (None if none does): (chosen logprob [R], top ids [R, k], top values
+    [R, k]), k the most any row asks; a log-softmax and a top-k a chunk of rows. `tokens` [B]: each row's token."""
     rows = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
-    result: list[dict[int, float] | None] = [None] * len(requests)
     if not rows:
-        return result
+        return None
     most = max(requests[row].params.logprobs for row in rows)
-    chosen, top = [], []
+    chosen, ids, values = [], [], []
     for chunk in _chunks(rows):
         logprobs = logits[chunk].log_softmax(dim=-1)  # [R, V]
-        chosen.append(logprobs.gather(1, torch.tensor([tokens[row] for row in chunk], device=logits.device)[:, None]))
-        if most:
-            top.append(logprobs.topk(most, dim=-1))
-    chosen_list = torch.cat(chosen)[:, 0].tolist()
-    top_ids = torch.cat([t.indices for t in top]).tolist() if top else []
-    top_values = torch.cat([t.values for t in top]).tolist() if top else []
+        chosen.append(logprobs.gather(1, tokens[chunk][:, None])[:, 0])
+        top = logprobs.topk(most, dim=-1)  # k = 0: empty
+        ids.append(top.indices)
+        values.append(top.values)
+    return torch.cat(chosen), torch.cat(ids), torch.cat(values)
+
+
+def logprob_dicts(requests: list[Request], tokens: list[int], found: list | None) -> list[dict[int, float] | None]:
+    """`logprob_tensors`' lists on the host as each row's {chosen token: logprob, then its own top ones}."""
+    result: list[dict[int, float] | None] = [None] * len(requests)
+    if found is None:
+        return result
+    chosen, top_ids, top_values = found
+    rows = [row for row, r in enumerate(requests) if r.params.logprobs is not None]
     for i, row in enumerate(rows):
         k = requests[row].params.logprobs
-        result[row] = {tokens[row]: chosen_list[i]}
-        if k:
-            result[row] |= dict(zip(top_ids[i][:k], top_values[i][:k]))
+        result[row] = {tokens[row]: chosen[i]} | dict(zip(top_ids[i][:k], top_values[i][:k]))
     return result

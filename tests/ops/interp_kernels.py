@@ -242,28 +242,19 @@ def test_align_tokens_layout(num_pairs, num_experts, block_m):
     assert (block_expert[int(num_padded) // block_m:] == num_experts).all()
 
 
-# decode batches whose one-program sort takes a pass of 32 or 64 pairs (`one_program_chunk`), not 128
+# decode batches of 17 to 64 pairs: the one-program sort's keys padded to a power of two
 SMALL_ALIGN_CASES = [(17, 8, 32), (40, 128, 16), (64, 60, 16)]
 
 
-@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES[:5] + SMALL_ALIGN_CASES)
+@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES[:5] + SMALL_ALIGN_CASES + [(1024, 128, 16)])
 @pytest.mark.parametrize("one_program", [False, True])
 def test_align_tokens_either_path(num_pairs, num_experts, block_m, one_program):
-    """One program for the whole sort, or count + scatter, whatever the pair count: the torch layout."""
+    """One program sorting the pairs in registers, or count + scatter, whatever the pair count (1,024 in one sort
+    included): the torch layout exactly, each run in pair order."""
     topk_ids = torch.randint(0, num_experts, (num_pairs, 1), generator=torch.Generator().manual_seed(num_pairs))
     ref = align_tokens_torch(topk_ids, num_experts, block_m)
     tri = align_tokens_triton(topk_ids, num_experts, block_m, one_program=one_program)
     for a, b in zip(ref, tri):
-        assert torch.equal(a, b)
-
-
-@pytest.mark.parametrize("num_pairs,num_experts,block_m", ALIGN_CASES[:5] + SMALL_ALIGN_CASES + [(1024, 128, 16)])
-def test_the_sorted_program_lays_out_what_torch_does(num_pairs, num_experts, block_m):
-    """The one program that sorts the pairs in registers, at any pair count it may take: the torch layout exactly
-    (each run in pair order), 1,024 pairs in one sort included."""
-    topk_ids = torch.randint(0, num_experts, (num_pairs, 1), generator=torch.Generator().manual_seed(num_pairs))
-    ref = align_tokens_torch(topk_ids, num_experts, block_m)
-    for a, b in zip(ref, align_tokens_triton(topk_ids, num_experts, block_m, sorted_program=True)):
         assert torch.equal(a, b)
 
 

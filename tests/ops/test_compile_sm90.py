@@ -16,7 +16,6 @@ except ImportError:  # pragma: no cover - an older Triton lays these out elsewhe
     GPUTarget = ASTSource = None
 
 from rimuru.ops.moe_align import (
-    _align_one_program_kernel,
     _align_sorted_program_kernel,
     _atomic_count_kernel,
     _atomic_scatter_kernel,
@@ -109,7 +108,6 @@ def test_the_gemms_l2_hints_reach_the_ptx(kernel, tmp_path, monkeypatch):
 CHAINED = {  # every kernel of the op, with the constexprs of a Qwen3-sized launch
     "gate_up": (_gate_up_kernel, {**MOE_TILES, "READ_HOST": True}, 8),
     "down": (_down_kernel, {**MOE_TILES, "READ_HOST": False}, 8),
-    "one_program": (_align_one_program_kernel, {"BLOCK_M": 16, "EXPERTS_PAD": 128, "TILE": 64}, 8),
     "sorted_program": (_align_sorted_program_kernel, {"BLOCK_M": 16, "EXPERTS_PAD": 128, "PAIRS_PAD": 128,
                                                       "BLOCKS_TILE": 64}, 4),
     "count": (_count_kernel, {"EXPERTS_PAD": 128, "TILE": 64}, 8),

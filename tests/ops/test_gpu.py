@@ -217,6 +217,8 @@ def test_align_tokens_triton_matches_torch(num_tokens, num_experts, top_k, block
     """Every path gives the torch layout; the atomic sort up to the order inside each run."""
     from rimuru.ops import moe_align
 
+    if path.get("one_program") and num_tokens * top_k > moe_align.ONE_PROGRAM_MAX_PAIRS:
+        pytest.skip("more pairs than one program sorts")
     topk_ids = torch.rand(num_tokens, num_experts, device="cuda").topk(top_k, dim=-1).indices
     sorted_ids, block_expert, num_padded = moe_align.align_tokens_torch(topk_ids, num_experts, block_m)
     tri = moe_align.align_tokens_triton(topk_ids, num_experts, block_m, **path)

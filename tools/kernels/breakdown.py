@@ -6,7 +6,7 @@
 Per model shape and M = 1, 2, 4, 8, 64, 1024, 4096 (the main benchmark's inputs), each a captured graph of:
   floor         one tiny kernel: what a graph replay costs with (almost) nothing in it
   align         align_tokens as the op runs it (0 at M = 1: one block a pair, no sort); align_paths: its other
-                paths (one program for the whole sort up to 8 chunks of pairs, count + scatter with each scatter
+                paths (one program sorting up to 1,024 pairs in registers, count + scatter with each scatter
                 program summing the prefix or with one scan of the counts first, 128-pair chunks, the atomic sort)
   casts         topk_weights.to(fp32) and page_table.to(int32); 0 and `casts_noop` when both return their input
   gate_up, down each GEMM kernel over pre-sorted pairs; gemms: both, as `moe_gemms` runs them; pair_block_gemms
@@ -36,7 +36,7 @@ from rimuru.ops.configs import moe_config
 from rimuru.ops.moe_align import (
     CHUNK,
     MAX_SORT_PROGRAMS,
-    ONE_PROGRAM_CHUNKS,
+    ONE_PROGRAM_MAX_PAIRS,
     SORTED_PROGRAM_PAIRS,
     align_tokens,
     align_tokens_triton,
@@ -94,7 +94,7 @@ def point_inputs(shape, num_tokens, device, dtype):
 
 
 def time_align(row, ids, shape, cfg, smoke):
-    """The op's sort, then the other paths where they apply: one program (up to 8 tiles), count + scatter with the
+    """The op's sort, then the other paths where they apply: one program (up to 1,024 pairs), count + scatter with the
     prefix summed in each scatter program or scanned once, 128-pair tiles where the op takes smaller ones, and half
     or twice the programs where the op's programs take several tiles."""
     num_pairs, num_experts = ids.numel(), shape["E"]
@@ -104,14 +104,11 @@ def time_align(row, ids, shape, cfg, smoke):
         row["align_us"], row["align_path"] = 0.0, "pair blocks, no sort"
     else:
         row["align_us"] = time_graph_us(lambda: align_tokens(ids, num_experts, cfg["BLOCK_M"]), smoke)
-        row["align_path"] = "sorted program" if num_pairs <= SORTED_PROGRAM_PAIRS else \
-            "one program" if -(-num_pairs // CHUNK) <= ONE_PROGRAM_CHUNKS else \
+        row["align_path"] = "one program" if num_pairs <= SORTED_PROGRAM_PAIRS else \
             f"count + {'scan + ' if scans_counts(num_chunks, experts_pad) else ''}scatter, {num_chunks} programs of " \
             f"{pairs_each // tile} {tile}-pair tile(s)"
     paths = {}
-    if num_pairs <= 1024:
-        paths["sorted program"] = {"sorted_program": True}
-    if num_chunks <= 8:
+    if num_pairs <= ONE_PROGRAM_MAX_PAIRS:
         paths["one program"] = {"one_program": True}
     paths["count + scatter"] = {"one_program": False, "scan": False}
     paths["atomic count + scatter"] = {"atomic": True}  # runs in any order (`_atomic_count_and_scatter`)
