@@ -120,8 +120,8 @@ class EngineConfig:
     # capture the compiled pass); its cache beside Triton's (rimuru.compilation). Off until measured on a GPU
     compile: bool = False
     # launch each step before reading the tokens of the one before, whose ids it takes on the device
-    # (rimuru.pending_tokens): the host prepares a step while the GPU runs the last. None: on where it applies (no
-    # elastic pool moving experts under a pass in flight, one rank)
+    # (rimuru.pending_tokens): the host prepares a step while the GPU runs the last. None: on with resident and
+    # fixed experts (with the elastic pool only when asked: not yet run on a GPU there); one rank only
     async_scheduling: bool | None = None
     # a preempted request's KV: copied to pinned host memory and back ("swap"), or freed and its prompt recomputed
     preemption: str = "swap"
@@ -164,8 +164,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(map(repr, allowed))}, got {getattr(self, name)!r}")
         if self.copy_compute_ratio < 0 or (self.ttft_slo is not None and self.ttft_slo < 0):
             raise ValueError("copy_compute_ratio and ttft_slo must be >= 0")
-        if self.async_scheduling and (self.expert_policy == "elastic" or self.tensor_parallel_size > 1):
-            raise ValueError("async_scheduling needs expert_policy 'resident' or 'fixed' and tensor_parallel_size 1")
+        if self.async_scheduling and self.tensor_parallel_size > 1:
+            raise ValueError("async_scheduling needs tensor_parallel_size 1 (the other ranks take rank 0's input ids)")
         budget = parse_bytes(self.gpu_memory_budget)
         _check_device(device, budget)
         _check_tensor_parallel(self, device)

@@ -132,7 +132,8 @@ class Engine:
         if self.workers:
             self.runner.before_pass, self.runner.before_replay = self._send_pass, self._send_replay
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        self.async_scheduling = config.async_scheduling is not False and self.adjuster is None and not self.workers
+        wanted = config.async_scheduling if config.async_scheduling is not None else self.adjuster is None
+        self.async_scheduling = wanted and not self.workers
         self.in_flight: PendingTokens | None = None  # the last step's tokens, not yet read (async scheduling)
         self.tokenizer = load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, eos_token_ids(folder, self.model_config))

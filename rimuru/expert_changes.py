@@ -23,11 +23,13 @@ class ExpertChanges:
 
     def begin_step(self, changes: ChangeList) -> None:
         """Reserve and start copying added experts; remember evictions and swaps for `end_step`."""
+        # the pages' last KV writer may be a pass still queued (async scheduling: a request freed them under it)
+        last_writer = self.copier.compute_mark() if changes.add else None
         for layer, expert in changes.add:
             page_ids = self.store.reserve(layer, expert)
             if page_ids is None:
                 break
-            event = self.store.copy_in(layer, expert, page_ids)
+            event = self.store.copy_in(layer, expert, page_ids, after=last_writer)
             self.pending_add[(layer, expert)] = (page_ids, event)
         self.pending_evict = list(changes.evict)
         self.pending_swap = list(changes.swap)

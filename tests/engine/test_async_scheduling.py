@@ -93,7 +93,22 @@ def test_an_abort_while_its_token_is_in_flight_frees_everything(family):
     assert engine.allocator.stats()["kv_used_pages"] == held
 
 
-def test_async_scheduling_is_refused_where_experts_move_under_a_pass(family):
-    with pytest.raises(ValueError, match="async_scheduling needs expert_policy 'resident' or 'fixed'"):
-        LLM(family[0], progress=False, expert_policy="elastic", async_scheduling=True)
+def test_async_scheduling_is_on_where_no_adjuster_runs_and_asked_for_elsewhere(family):
     assert not LLM(family[0], progress=False, expert_policy="elastic").engine.async_scheduling
+    assert LLM(family[0], progress=False, expert_policy="elastic", async_scheduling=True).engine.async_scheduling
+    assert LLM(family[0], progress=False, expert_policy="fixed").engine.async_scheduling
+    with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size 1"):
+        LLM(family[0], progress=False, async_scheduling=True, tensor_parallel_size=2)
+
+
+@pytest.mark.parametrize("expert_reads", ["copy", "direct"])
+def test_the_elastic_pool_under_async_scheduling_keeps_hf_tokens(family, expert_reads):
+    """Asked for, with the elastic pool evicting and bringing experts back (the paper's rule, a tight budget): the
+    additions' copies wait for the passes still queued, whose KV writes may land in the pages they take."""
+    from tests.engine.test_experts import budget_for, run
+
+    folder, prompts, expected = family
+    engine, tokens = run(folder, prompts, gpu_memory_budget=budget_for(folder, kv_tokens=60, offload=3),
+                         expert_offload_limit=3, adjuster="paper", expert_reads=expert_reads, async_scheduling=True)
+    assert engine.async_scheduling and engine.expert_stats["evictions"] > 0 and engine.expert_stats["additions"] > 0
+    assert tokens == expected
