@@ -484,10 +484,11 @@ class Engine:
     def _take(self, requests: list[Request], tokens: list[int], logprobs: list) -> list[Request]:
         """Each request's new token, but for requests finished since it was sampled (a token of the round before
         ended them, or an abort): the ones that took theirs."""
-        taken = [request for request in requests if not request.is_finished]
+        taken = []
         for request, token, logprob in zip(requests, tokens, logprobs):
             if not request.is_finished:
                 self._append(request, token, logprob)
+                taken.append(request)
         return taken
 
     def _while_the_pass_runs(self) -> None:

@@ -4,9 +4,8 @@ With async scheduling the engine launches step N+1 before it reads step N's toke
 N+1 while the GPU runs N, so the GPU never waits for the host between steps. N+1's input ids for the requests N
 sampled are taken on the device from N's tokens (`device_ids`); N's tokens reach the host through a pinned buffer
 that the host reads once the copy's event has passed (`wait`), after N+1 is queued, and so do the logprobs of
-the requests that ask for them. A request that N's token
-finishes (EOS, a stop string) has computed one token too many in N+1, which the engine drops: the tokens a request
-gets are the same as without async scheduling.
+the requests that ask for them. A request that N's token finishes (EOS, a stop string) has computed one token too
+many in N+1, which the engine drops: the tokens a request gets are the same as without async scheduling.
 """
 
 import torch

@@ -26,7 +26,7 @@ from rimuru.config import EngineConfig
 from rimuru.engine import Engine
 from rimuru.ops.paged_attention import attention_config, paged_attention_triton
 from rimuru.serving.cli import add_engine_arguments, engine_options
-from tools.engine.profile_step import fill
+from tools.engine.profile_step import add_fill_arguments, fill
 from tools.kernels.bench import time_graph_ms
 
 
@@ -96,10 +96,7 @@ def time_us(calls: list[tuple], before=None, attend=None) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model")
-    parser.add_argument("--stream", required=True)
-    parser.add_argument("--num-requests", type=int, default=16)
-    parser.add_argument("--max-tokens", type=int, default=1024)
+    add_fill_arguments(parser, num_requests=16, max_tokens=1024)
     parser.add_argument("--copy-mb", type=int, default=768, help="the copy before each call of the last row")
     parser.add_argument("--splits", type=int, nargs="*", default=[4, 8, 16], help="split counts of the last rows")
     parser.add_argument("--out", default="attention_probe.json")

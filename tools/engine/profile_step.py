@@ -38,6 +38,14 @@ def fill(engine: Engine, requests: list[dict], max_tokens: int = 4096) -> None:
         engine.step()
 
 
+def add_fill_arguments(parser: argparse.ArgumentParser, num_requests: int, max_tokens: int) -> None:
+    """The model, the stream and the batch `fill` runs into decode, with these defaults."""
+    parser.add_argument("model")
+    parser.add_argument("--stream", required=True)
+    parser.add_argument("--num-requests", type=int, default=num_requests)
+    parser.add_argument("--max-tokens", type=int, default=max_tokens, help="each request's allowance (sizes the batch)")
+
+
 def cycled(tokens: list[int], length: int) -> list[int]:
     """`tokens` repeated to `length` tokens: a decode step at a drain's long contexts from any stream's prompts."""
     return (tokens * -(-length // len(tokens)))[:length]
@@ -101,12 +109,9 @@ def _sync() -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("model")
-    parser.add_argument("--stream", required=True)
-    parser.add_argument("--num-requests", type=int, default=200)
+    add_fill_arguments(parser, num_requests=200, max_tokens=4096)
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--trace", default=None, help="write a Chrome trace here")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="each request's allowance (sizes the batch)")
     parser.add_argument("--context", type=int, default=None, help="every prompt cycled to this many tokens")
     parser.add_argument("--stub-attention", action="store_true",
                         help="timing only: each layer's attention a copy of its query (what attention costs a step)")
