@@ -31,7 +31,7 @@ class Child:
 
     def __init__(self, module: Path, parallel: bool):
         env = {**os.environ, "TRITON_INTERPRET": "1"}
-        if not parallel:  # beside the suite: one thread, so that its torch calls leave the other core to the suite
+        if not parallel:  # one thread: started in the background, it leaves the suite the other core
             env["OMP_NUM_THREADS"] = "1"
         # -P: the repository root must not come first on sys.path, or its `rimuru/` folder (without ops/) shadows the
         # package laid out on PYTHONPATH and an editable install elsewhere supplies `rimuru.ops` instead
@@ -47,13 +47,15 @@ class Child:
             code = self.process.wait(timeout=TIMEOUT_S)
         finally:
             self.process.kill()
-        self.output.seek(0)
-        return code, self.output.read()
+        with self.output:
+            self.output.seek(0)
+            return code, self.output.read()
 
 
 def start_in_background(module: Path) -> None:
     """Start `module`'s serial run now; `pytest_under_interpreter(module)` then waits for it."""
-    _started.setdefault(module.resolve(), Child(module, parallel=False))
+    if module.resolve() not in _started:  # a module collected twice still runs once
+        _started[module.resolve()] = Child(module, parallel=False)
 
 
 def stop_background() -> None:
