@@ -49,6 +49,7 @@ def test_two_ranks_give_hugging_faces_tokens_under_every_policy(family, monkeypa
     assert tokens == expected and squeezed["preemptions"] > 0 and squeezed["swapped"] > 0  # each rank's KV saved
 
 
+@pytest.mark.parametrize("family", ["qwen2_moe"], indirect=True)  # its shared expert and dense layer too
 def test_two_ranks_replay_the_step_graphs(family, monkeypatch):
     """cuda_graphs on the CPU (the graph path over the static, padded buffers): each rank replays the same captured
     shape from mirrors of rank 0's KV and expert tables, the table rows synced and the expert copies made since the
@@ -86,6 +87,7 @@ def test_the_page_check_names_an_expert_page_a_rank_did_not_copy():
     assert expert_page_mismatches(tables, owners) == ["page 9 holds (0, 1) here, expert (1, 2) on rank 0"]
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)  # a failure path: one family says it
 def test_a_rank_that_dies_fails_the_next_step_in_one_line(family):
     folder, prompts, _ = family
     llm = LLM(folder, progress=False, **TP)
@@ -97,6 +99,7 @@ def test_a_rank_that_dies_fails_the_next_step_in_one_line(family):
     llm.engine.close()
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)  # a failure path: one family says it
 def test_what_tensor_parallelism_cannot_do_yet_is_refused_in_one_line(family):
     folder = family[0]
     with pytest.raises(ValueError, match="^tensor_parallel_size 2 reads host experts in place only"):
@@ -106,6 +109,7 @@ def test_what_tensor_parallelism_cannot_do_yet_is_refused_in_one_line(family):
     LLM(folder, progress=False, **TP).close()  # which left no rank and no process group behind
 
 
+@pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)  # a failure path: one family says it
 def test_a_rank_that_hangs_fails_the_next_step_within_the_timeout(family, monkeypatch):
     """A stopped worker (SIGSTOP: alive, answering nothing) makes the step fail after $RIMURU_TP_TIMEOUT_S."""
     folder, prompts, _ = family
