@@ -20,11 +20,17 @@ def pinned_empty(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
     if not torch.cuda.is_available() or nbytes == 0:
         return torch.empty(shape, dtype=dtype)
     buffer = mmap.mmap(-1, nbytes)
-    tensor = torch.frombuffer(buffer, dtype=dtype, count=numel).view(shape)  # the storage keeps `buffer` alive
+    view = memoryview(buffer)
+    tensor = torch.frombuffer(view, dtype=dtype, count=numel).view(shape)  # the storage keeps `view` alive
     cudart = torch.cuda.cudart()
     error = cudart.cudaHostRegister(tensor.data_ptr(), nbytes, 0)
     if error != cudart.cudaError.success:
         raise RuntimeError(f"cudaHostRegister of {nbytes / 2**30:.2f} GiB of host memory failed ({error})")
-    # runs when the last storage referring to `buffer` is gone, before the mapping is released
-    weakref.finalize(buffer, cudart.cudaHostUnregister, tensor.data_ptr())
+    # when the last storage is gone: the finalizer holds the mapping, so it is unregistered before it is unmapped
+    weakref.finalize(view, _unregister_then_unmap, tensor.data_ptr(), buffer).atexit = False
     return tensor
+
+
+def _unregister_then_unmap(address: int, buffer: mmap.mmap) -> None:
+    torch.cuda.cudart().cudaHostUnregister(address)
+    buffer.close()

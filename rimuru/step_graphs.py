@@ -16,9 +16,11 @@ the pieces eagerly over the same static, padded buffers: the tests use that to c
 the CPU.
 """
 
+import gc
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
 
 import torch
@@ -189,12 +191,13 @@ class StepGraphs:
         torch.cuda.empty_cache()
         self._allocate_outputs()
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream(self.kv_view.device)
-        for shape in tqdm(shapes, desc="Capturing CUDA graphs", unit="shape", disable=not progress):
-            self.inputs.write_padding_only(shape)
-            stream.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(stream):
-                self.captured[shape] = self._capture(shape, pool)
-            torch.cuda.current_stream().wait_stream(stream)
+        with _no_garbage_collection():
+            for shape in tqdm(shapes, desc="Capturing CUDA graphs", unit="shape", disable=not progress):
+                self.inputs.write_padding_only(shape)
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    self.captured[shape] = self._capture(shape, pool)
+                torch.cuda.current_stream().wait_stream(stream)
         torch.cuda.synchronize()
 
     @torch.inference_mode()
@@ -309,3 +312,17 @@ class StepGraphs:
         input_ids, ctx = self.inputs.context(shape, self.expert_tables, self.kv_view, self.expert_view,
                                              self.host_experts)  # fmt: skip
         return self.model(input_ids, replace(ctx, on_routing=on_routing))
+
+
+@contextmanager
+def _no_garbage_collection() -> Iterator[None]:
+    """Collect once, then not while capturing: an unreachable engine's graphs or pinned buffers freed mid-capture
+    call CUDA (graph destroy, cudaHostUnregister), which invalidates the capture and leaves the range registered."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()

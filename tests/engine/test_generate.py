@@ -28,6 +28,7 @@ def tight_budget(folder: str, num_kv_tokens: int) -> int:
     expert_bytes = engine.experts.num_expert_pages * sizes.expert_page_bytes
     kv_pages = -(-num_kv_tokens // sizes.page_tokens) * config.num_hidden_layers
     kv_bytes = -(-kv_pages // sizes.kv_pages_per_expert_page) * sizes.expert_page_bytes
+    engine.close()
     return plan.weights_bytes + plan.activation_bytes + expert_bytes + kv_bytes
 
 

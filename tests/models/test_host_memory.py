@@ -1,6 +1,7 @@
 """The exact-size pinned host tensors: registered once at their size, unregistered only when the last view is gone."""
 
 import gc
+import mmap
 import types
 
 import torch
@@ -21,7 +22,24 @@ class _FakeCudart:
 
     def cudaHostUnregister(self, ptr: int) -> int:
         self.unregistered.append(ptr)
+        EVENTS.append("unregister")
         return 0
+
+
+EVENTS: list[str] = []
+
+
+class _LoggedMapping(mmap.mmap):
+    """An anonymous mapping that logs when it is unmapped: by close(), or by its deallocation right after __del__."""
+
+    def close(self):
+        if not self.closed:
+            EVENTS.append("unmap")
+        super().close()
+
+    def __del__(self):
+        if not self.closed:
+            EVENTS.append("unmap")
 
 
 def test_pinned_empty_registers_its_exact_size_until_the_last_view_dies(monkeypatch):
@@ -46,3 +64,16 @@ def test_pinned_empty_without_cuda_is_a_plain_tensor():
         return
     tensor = host_memory.pinned_empty((2, 3), torch.float32)
     assert tensor.shape == (2, 3) and not tensor.is_pinned()
+
+
+def test_pinned_memory_is_unregistered_before_it_is_unmapped(monkeypatch):
+    """CUDA wants a registered range unregistered while it is still mapped (an mmap's own deallocation unmaps before
+    its weak references' callbacks run)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", _FakeCudart)
+    monkeypatch.setattr(host_memory.mmap, "mmap", _LoggedMapping)
+    EVENTS.clear()
+    tensor = host_memory.pinned_empty((4, 8), torch.float32)
+    del tensor
+    gc.collect()
+    assert EVENTS == ["unregister", "unmap"]
