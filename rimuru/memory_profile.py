@@ -15,6 +15,7 @@ does not run: the expert manager's and the adjuster's small tensors, the allocat
 On the CPU there is nothing to measure: `rimuru.memory_plan` estimates the reserve there.
 """
 
+import gc
 import logging
 from dataclasses import dataclass
 
@@ -125,7 +126,9 @@ def _sample_worst_case(logits: torch.Tensor) -> None:
 
 
 def _settle(device: torch.device) -> int:
-    """Reserved bytes once the queue is drained and the cache emptied."""
+    """Reserved bytes once garbage is collected, the queue drained and the cache emptied (an unreachable engine's
+    pool freed between two readings would make the rise negative)."""
+    gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(device)

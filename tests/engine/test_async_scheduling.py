@@ -26,14 +26,14 @@ def mixed_params(expected: list[list[int]]) -> list[SamplingParams]:
 
 
 def outputs(folder, prompts, params, **options) -> list[tuple]:
-    llm = LLM(folder, progress=False, expert_policy="resident", **options)
-    engine = llm.engine
-    held = engine.allocator.stats()["kv_used_pages"]  # the CUDA graphs' scratch page, on a GPU
-    results = llm.generate(prompts, params, use_tqdm=False)
-    assert engine.allocator.stats()["kv_used_pages"] == held and not engine.has_unfinished()
-    engine.allocator.check_integrity()
-    return [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in r.outputs] for r in results], \
-        engine.num_steps
+    with LLM(folder, progress=False, expert_policy="resident", **options) as llm:
+        engine = llm.engine
+        held = engine.allocator.stats()["kv_used_pages"]  # the CUDA graphs' scratch page, on a GPU
+        results = llm.generate(prompts, params, use_tqdm=False)
+        assert engine.allocator.stats()["kv_used_pages"] == held and not engine.has_unfinished()
+        engine.allocator.check_integrity()
+        return [[(c.token_ids, c.finish_reason, c.stop_reason, c.logprobs) for c in r.outputs] for r in results], \
+            engine.num_steps
 
 
 def assert_same_outputs(deferred: list, at_once: list) -> None:
