@@ -120,8 +120,8 @@ class EngineConfig:
     # capture the compiled pass); its cache beside Triton's (rimuru.compilation). Off until measured on a GPU
     compile: bool = False
     # launch each step before reading the tokens of the one before, whose ids it takes on the device
-    # (rimuru.pending_tokens): the host prepares a step while the GPU runs the last. None: on with resident and
-    # fixed experts (with the elastic pool only when asked: not yet run on a GPU there); one rank only
+    # (rimuru.pending_tokens): the host prepares a step (the elastic pool's adjuster round too) while the GPU runs
+    # the last. None: on with one rank, off under tensor parallelism
     async_scheduling: bool | None = None
     # a preempted request's KV: copied to pinned host memory and back ("swap"), or freed and its prompt recomputed
     preemption: str = "swap"

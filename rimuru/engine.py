@@ -90,6 +90,7 @@ class Engine:
     def _build(self, config: EngineConfig, folder: str, model_config: ModelConfig,
                requested_max_model_len: int | None) -> None:  # fmt: skip
         check_host_memory(model_config, config.dtype)
+        self.async_scheduling = config.async_scheduling is not False and not self.workers
         use_expandable_segments(self.device)  # before the weights: every segment the engine makes is expandable
         self.loaded = from_pretrained(folder, self.device, config.dtype, config.load_format, config.router_skew,
                                       config.progress, config.seed, config.router_regimes)  # fmt: skip
@@ -132,8 +133,6 @@ class Engine:
         if self.workers:
             self.runner.before_pass, self.runner.before_replay = self._send_pass, self._send_replay
         self.sampler = Sampler(torch.Generator(self.device).manual_seed(config.seed))
-        wanted = config.async_scheduling if config.async_scheduling is not None else self.adjuster is None
-        self.async_scheduling = wanted and not self.workers
         self.in_flight: PendingTokens | None = None  # the last step's tokens, not yet read (async scheduling)
         self.tokenizer = load_tokenizer(config.tokenizer or folder)
         self.stop_checker = StopChecker(self.tokenizer, eos_token_ids(folder, self.model_config))
@@ -293,7 +292,9 @@ class Engine:
         check_budget(cfg.expert_policy, count, self.experts, self.pool.num_bytes, buffer_experts, outside_pool)
         ranking = find_ranking(folder, cfg.expert_ranking, mc.moe_layer_ids, mc.num_experts)
         is_cost = cfg.expert_policy == "elastic" and cfg.adjuster == "cost"
-        popularity = ExpertPopularity(ranking, mc.num_experts, self.device) if is_cost else None
+        # async scheduling: the cost rule reads its counts while the next pass runs, so one read late
+        lagged = self.async_scheduling
+        popularity = ExpertPopularity(ranking, mc.num_experts, self.device, lagged=lagged) if is_cost else None
         routers = {layer: self.loaded.model.model.layers[layer].mlp.gate.weight for layer in mc.moe_layer_ids}
         self.expert_manager = ExpertManager(self.experts, buffer_experts, routers, mc.num_experts_per_tok,
                                             cfg.prefetch and not direct, popularity, direct)  # fmt: skip
@@ -303,7 +304,8 @@ class Engine:
         self.adjuster: PoolAdjuster | None = None  # built after the placement, whose copies are its first sample
         if cfg.expert_policy == "elastic":
             thresholds = CostThresholds(copy_compute_ratio=cfg.copy_compute_ratio, ttft_slo=cfg.ttft_slo)
-            reads = self.expert_manager.direct_reads if direct else None
+            counter = self.expert_manager.counter
+            reads = (counter.lagged_direct_reads() if lagged else counter.direct_reads) if direct else None
             self.adjuster = build_adjuster(cfg.adjuster, ranking, count, popularity, self.experts,
                                            mc.num_experts_per_tok, thresholds, reads, self.allocator.children[KV])
 

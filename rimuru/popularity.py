@@ -7,17 +7,20 @@ like an `ExpertRanking` (`share`, `hottest_first`), so the adjusters order evict
 Counting never adds a host sync: `record_all` adds a pass's [L, E] routed counts (the `RoutingCounter` counts a
 pass's top-k ids in one scatter-add, not `torch.bincount`, which reads the largest id back to size its output;
 `record` counts one layer's ids), and `flush` pulls the whole [L, E] tensor to the host every few steps,
-after a forward pass has synchronised anyway (the sampler reads the tokens). It does not own the routing hook.
+after a forward pass has synchronised anyway (the sampler reads the tokens). Under async scheduling the next pass
+is already queued then, so `lagged` flushes add the counts the flush before copied (`LaggedRead`) and never wait
+for it. It does not own the routing hook.
 """
 
 import torch
 
 from rimuru.expert_ranking import ExpertRanking
+from rimuru.lagged_read import LaggedRead
 
 
 class ExpertPopularity:
     def __init__(self, ranking: ExpertRanking, num_experts: int, device: torch.device | str = "cpu",
-                 half_life_steps: float = 64.0, prior_routings: float = 1024.0):  # fmt: skip
+                 half_life_steps: float = 64.0, prior_routings: float = 1024.0, lagged: bool = False):  # fmt: skip
         self.layer_ids = sorted(ranking.shares)
         self.num_experts = num_experts
         self.row = {layer: i for i, layer in enumerate(self.layer_ids)}
@@ -25,6 +28,7 @@ class ExpertPopularity:
         prior = torch.tensor([ranking.shares[layer] for layer in self.layer_ids], dtype=torch.float64)  # [L, E]
         self.counts = prior * prior_routings  # [L, E] decayed routings, on the host
         self.pending = torch.zeros(len(self.layer_ids), num_experts, dtype=torch.int64, device=device)  # [L, E]
+        self._lagged = LaggedRead(self.pending, zero_after_copy=True) if lagged else None
         self._probs: dict[int, list[float]] = {}  # layer -> [E] shares (rows of `matrix`), cached between flushes
         self._order: dict[int, tuple[int, ...]] = {}  # layer -> expert ids hottest first (rows of `order_matrix`)
         self._matrix: torch.Tensor | None = None  # [L, E] the shares, the same
@@ -42,9 +46,15 @@ class ExpertPopularity:
 
     def flush(self, num_steps: int = 1) -> None:
         """Decay the counts by `num_steps` steps and add what was recorded since the last flush (one device -> host
-        copy)."""
-        self.counts = self.counts * self.decay**num_steps + self.pending.cpu().double()
-        self.pending.zero_()
+        copy); `lagged`, what was recorded between the two flushes before."""
+        if self._lagged is None:
+            recorded = self.pending.cpu().double()  # a copy (on the CPU `.cpu()` is the tensor itself)
+            self.pending.zero_()
+        else:
+            recorded = self._lagged.take()
+        self.counts = self.counts * self.decay**num_steps
+        if recorded is not None:
+            self.counts += recorded.double()
         self._probs, self._order, self._matrix, self._order_matrix = {}, {}, None, None
 
     def share(self, layer: int, expert: int) -> float:

@@ -15,6 +15,7 @@ from collections.abc import Callable
 import torch
 
 from rimuru.expert_store import ExpertStore
+from rimuru.lagged_read import LaggedRead
 from rimuru.popularity import ExpertPopularity
 
 
@@ -47,6 +48,19 @@ class RoutingCounter:
         """(layer, expert) reads of a routed host expert in place so far (counted on the device; reading the count
         waits for the GPU)."""
         return int(self._direct_reads)
+
+    def lagged_direct_reads(self) -> Callable[[], int]:
+        """`direct_reads` as of the call before, read without waiting for a pass (`LaggedRead`): for the cost
+        rule under async scheduling, which reads it while the next pass runs."""
+        read, seen = LaggedRead(self._direct_reads), [0]
+
+        def take() -> int:
+            landed = read.take()
+            if landed is not None:
+                seen[0] = int(landed)
+            return seen[0]
+
+        return take
 
     def begin_pass(self, counted: bool) -> None:
         """`counted`: the pass counts its own routing (`count_pass`, inside the step graphs), so no hook keeps ids."""

@@ -93,14 +93,13 @@ def test_an_abort_while_its_token_is_in_flight_frees_everything(family):
     assert engine.allocator.stats()["kv_used_pages"] == held
 
 
-def test_async_scheduling_is_on_where_no_adjuster_runs_and_asked_for_elsewhere(family):
+def test_async_scheduling_is_on_under_every_policy_unless_turned_off(family):
     def scheduled_async(**options) -> bool:
         with LLM(family[0], progress=False, **options) as llm:
             return llm.engine.async_scheduling
 
-    assert not scheduled_async(expert_policy="elastic")
-    assert scheduled_async(expert_policy="elastic", async_scheduling=True)
-    assert scheduled_async(expert_policy="fixed")
+    assert all(scheduled_async(expert_policy=policy) for policy in ("elastic", "fixed", "resident"))
+    assert not scheduled_async(expert_policy="elastic", async_scheduling=False)
     with pytest.raises(ValueError, match="async_scheduling needs tensor_parallel_size 1"):
         LLM(family[0], progress=False, async_scheduling=True, tensor_parallel_size=2)
 
