@@ -15,6 +15,7 @@ import json
 import os
 import statistics
 import time
+from collections.abc import Callable
 
 import torch
 from tqdm.auto import tqdm
@@ -51,6 +52,7 @@ def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True,
     clock, series = _Clock(), []
     pending, start = list(requests), time.perf_counter()
     before = _counters(engine)
+    lagged_direct_reads = engine.expert_manager.counter.lagged_direct_reads()  # the series' own reader
     limit, finished = float("inf") if time_limit_s is None else time_limit_s, 0
     with tqdm(total=len(requests), desc="Benchmark", unit="req", disable=not progress) as bar:
         while (pending or engine.has_unfinished()) and (now := time.perf_counter() - start) < limit:
@@ -66,7 +68,7 @@ def run_benchmark(engine: Engine, requests: list[dict], progress: bool = True,
             done = sum(r.is_finished for r in updated)
             finished += done
             bar.update(done)
-            series.append(_sample(engine, now, sum(1 for _ in updated), before))
+            series.append(_sample(engine, now, sum(1 for _ in updated), before, lagged_direct_reads))
     wall = time.perf_counter() - start
     truncated = bool(pending or engine.has_unfinished())
     if truncated:
@@ -88,12 +90,14 @@ SERIES_ESTIMATES = ("cost_affordable_evictions", "cost_calibration", "cost_predi
                     "cost_requests_per_expert", "cost_profitable_this_refresh")  # fmt: skip
 
 
-def _sample(engine: Engine, now: float, num_tokens: int, before: dict) -> dict:
+def _sample(engine: Engine, now: float, num_tokens: int, before: dict, lagged_direct_reads: Callable[[], int]) -> dict:
     stats = engine.allocator.stats()
     estimates = {} if engine.adjuster is None else engine.adjuster.estimates  # the cost rule's view, each step
     manager = engine.expert_manager
-    # direct reads, cumulative: one 8-byte read from the GPU a step, after sampling has synchronised anyway
-    reads = {"direct_reads": manager.direct_reads() - before["experts"]["direct_reads"]} if manager.direct else {}
+    # direct reads, cumulative: one 8-byte read from the GPU a step; with a pass queued (async scheduling), the
+    # read of the step before, which does not wait for it
+    read = manager.direct_reads if engine.in_flight is None else lagged_direct_reads
+    reads = {"direct_reads": read() - before["experts"]["direct_reads"]} if manager.direct else {}
     return {k: round(estimates[k], 4) for k in SERIES_ESTIMATES if k in estimates} | reads | {
         "t": round(now, 4),
         **{f"{name}_ms": round(seconds * 1e3, 3) for name, seconds in engine.step_phases.items()},

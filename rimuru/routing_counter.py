@@ -46,21 +46,20 @@ class RoutingCounter:
 
     def direct_reads(self) -> int:
         """(layer, expert) reads of a routed host expert in place so far (counted on the device; reading the count
-        waits for the GPU)."""
+        waits for the passes queued)."""
         return int(self._direct_reads)
 
     def lagged_direct_reads(self) -> Callable[[], int]:
-        """`direct_reads` as of the call before, read without waiting for a pass (`LaggedRead`): for the cost
-        rule under async scheduling, which reads it while the next pass runs."""
-        read, seen = LaggedRead(self._direct_reads), [0]
+        """A reader of `direct_reads` as of its call before, never waiting for a pass (`LaggedRead`; its first
+        call reads now): for a reader that runs while the next pass is queued (the cost rule under async
+        scheduling). One a reader: another's copy may sit behind a pass still running."""
+        behind = LaggedRead(self._direct_reads)
 
-        def take() -> int:
-            landed = read.take()
-            if landed is not None:
-                seen[0] = int(landed)
-            return seen[0]
+        def read() -> int:
+            landed = behind.take()
+            return self.direct_reads() if landed is None else int(landed)
 
-        return take
+        return read
 
     def begin_pass(self, counted: bool) -> None:
         """`counted`: the pass counts its own routing (`count_pass`, inside the step graphs), so no hook keeps ids."""

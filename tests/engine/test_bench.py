@@ -46,8 +46,9 @@ def test_bench_record_is_consistent_and_plots(family, tmp_path, capsys):
         records[(policy, rate)] = record = json.loads(out.read_text())
         assert record["output_tokens"] == sum(r["max_tokens"] for r in requests)
         assert record["commit"] == source_commit()
-        # async scheduling: the last round runs no pass, it only reads the tokens of the one before
-        assert len(record["series"]) == record["forward_steps"] + 1
+        # async scheduling: a round with nothing to run only reads the tokens of the one before; at once, the last
+        idle_rounds = len(record["series"]) - record["forward_steps"]
+        assert idle_rounds == 1 if rate == "0" else idle_rounds >= 1
         assert record["peak_concurrency"] == max(s["running"] for s in record["series"]) <= 256
         assert 0 < record["ttft_s"]["median"] <= record["ttft_s"]["p99"]
         assert sum(s["tokens"] for s in record["series"]) == record["output_tokens"]

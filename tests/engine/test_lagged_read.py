@@ -53,5 +53,18 @@ def test_the_cost_rule_reads_direct_reads_one_read_late_only_under_async_schedul
         adjuster, counter = llm.engine.adjuster, llm.engine.expert_manager.counter
         counter._direct_reads += 7  # as if a pass had read seven host experts in place
         first = adjuster.reads_in_place()
-        assert (first, adjuster.reads_in_place()) == ((0, 7) if async_scheduling else (7, 7))
+        counter._direct_reads += 2
+        assert (first, adjuster.reads_in_place()) == ((0, 7) if async_scheduling else (7, 9))
+        assert counter.direct_reads() == 9  # the records' exact read
         assert adjuster.popularity._lagged is not None if async_scheduling else adjuster.popularity._lagged is None
+
+
+def test_each_lagged_reader_keeps_its_own_copy(family):
+    """Two readers never share a copy: one's read never waits behind a copy the other issued after a pass."""
+    llm = LLM(family[0], progress=False, expert_policy="resident", expert_reads="direct")
+    with llm:
+        counter = llm.engine.expert_manager.counter
+        first, second = counter.lagged_direct_reads(), counter.lagged_direct_reads()
+        assert first() == 0
+        counter._direct_reads += 4
+        assert (second(), first(), first(), second()) == (4, 0, 4, 4)
