@@ -68,6 +68,7 @@ def profile_step_memory(model, sizes: PageSizes, shapes: ProfileShapes, num_laye
     expert_tables = torch.tensor([0, 1, 2], dtype=torch.int32, device=device).repeat(num_layers, num_experts, 1)
     scratch_kv_page = (_SCRATCH_EXPERT_PAGES - 1) * scratch.sizes.expert_page_bytes // sizes.kv_page_stride
     max_pages = -(-shapes.max_model_len // sizes.page_tokens)
+    gc.collect()  # once, before the first reading: an unreachable engine's pool freed after it reads as a negative rise
     base = _settle(device)
     kv_tables = torch.full((num_layers, shapes.max_num_seqs, max_pages), scratch_kv_page, dtype=torch.int32,
                            device=device)  # fmt: skip
@@ -126,9 +127,7 @@ def _sample_worst_case(logits: torch.Tensor) -> None:
 
 
 def _settle(device: torch.device) -> int:
-    """Reserved bytes once garbage is collected, the queue drained and the cache emptied (an unreachable engine's
-    pool freed between two readings would make the rise negative)."""
-    gc.collect()
+    """Reserved bytes once the queue is drained and the cache emptied."""
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     return torch.cuda.memory_reserved(device)

@@ -51,10 +51,9 @@ class ExpertPopularity:
             recorded = self.pending.cpu().double()  # a copy (on the CPU `.cpu()` is the tensor itself)
             self.pending.zero_()
         else:
-            recorded = self._lagged.take()
-        self.counts = self.counts * self.decay**num_steps
-        if recorded is not None:
-            self.counts += recorded.double()
+            landed = self._lagged.take()
+            recorded = 0.0 if landed is None else landed.double()
+        self.counts = self.counts * self.decay**num_steps + recorded
         self._probs, self._order, self._matrix, self._order_matrix = {}, {}, None, None
 
     def share(self, layer: int, expert: int) -> float:
