@@ -60,6 +60,7 @@ class ModelConfig:
         if arch not in SUPPORTED_ARCHITECTURES:
             raise ValueError(f"unsupported architecture {arch!r}: Rimuru serves {', '.join(SUPPORTED_ARCHITECTURES)}")
         heads = raw["num_attention_heads"]
+        _check_head_split(raw, "num_attention_heads", "num_key_value_heads")
         gated_shared_expert = arch in ("qwen2_moe", *HYBRID_ARCHITECTURES)
         return cls(
             architecture=arch,
@@ -74,7 +75,7 @@ class ModelConfig:
             intermediate_size=raw.get("intermediate_size", 0),
             num_experts=_first(raw, "num_experts", "num_local_experts"),
             num_experts_per_tok=raw["num_experts_per_tok"],
-            norm_topk_prob=bool(raw.get("norm_topk_prob", False)),
+            norm_topk_prob=_norm_topk_prob(raw, arch),
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             rope_theta=_rope_theta(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
@@ -162,6 +163,9 @@ def _hybrid_fields(raw: dict) -> dict:
     unknown = sorted(set(types) - {LINEAR_ATTENTION, FULL_ATTENTION})
     if unknown:
         raise ValueError(f"layer_types holds {unknown}: Rimuru runs only {LINEAR_ATTENTION} and {FULL_ATTENTION} layers")
+    _check_head_split(raw, "linear_num_value_heads", "linear_num_key_heads")
+    if raw.get("attn_output_gate") is False:
+        raise ValueError("attn_output_gate false: Rimuru runs a hybrid's full-attention layers gated only")
     rope = raw.get("rope_parameters") or {}
     return dict(
         layer_types=tuple(types),
@@ -170,8 +174,26 @@ def _hybrid_fields(raw: dict) -> dict:
         linear_key_head_dim=raw["linear_key_head_dim"],
         linear_value_head_dim=raw["linear_value_head_dim"],
         linear_conv_kernel_dim=raw.get("linear_conv_kernel_dim", 4),
-        partial_rotary_factor=float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 1.0))),
+        # transformers' hybrid configs rotate a quarter of each head unless told otherwise
+        partial_rotary_factor=float(raw.get("partial_rotary_factor", rope.get("partial_rotary_factor", 0.25))),
     )
+
+
+def _norm_topk_prob(raw: dict, arch: str) -> bool:
+    """Whether the top-k routing weights are renormalised, as transformers reads it: Qwen3.5's router always does
+    (its config has no such field), Qwen3-Next's config defaults it on, the others' off."""
+    if arch == "qwen3_5_moe":
+        return True
+    return bool(raw.get("norm_topk_prob", arch == "qwen3_next"))
+
+
+def _check_head_split(raw: dict, heads: str, groups: str) -> None:
+    """Refuse a head count that is not a whole multiple of its groups' (the kernels share one group among whole
+    heads); a missing `groups` field means one group a head."""
+    num_heads, num_groups = raw.get(heads), raw.get(groups) or raw.get(heads)
+    if num_heads is not None and (num_groups <= 0 or num_heads % num_groups):
+        raise ValueError(f"{heads} {num_heads} is not a multiple of {groups} {num_groups}: Rimuru's kernels "
+                         f"give each group a whole number of heads")
 
 
 def _read_json(source: dict | str | os.PathLike) -> dict:

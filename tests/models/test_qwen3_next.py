@@ -99,6 +99,34 @@ def test_qwen35_configs_read_as_their_text_model(tmp_path):
         ModelConfig.from_hf(raw | {"mamba_ssm_dtype": "bfloat16"})
 
 
+@pytest.mark.parametrize("arch", ["qwen3_next", "qwen3_5_moe_text"])
+def test_a_config_without_the_routing_and_rotary_fields_reads_as_transformers_does(tmp_path, arch):
+    """Qwen3.5's published config has no `norm_topk_prob` (its router always renormalises) and may leave out the
+    rotary share (a quarter of each head in transformers' configs): the logits stay Hugging Face's."""
+    folder = fabricate(tmp_path, arch=arch, seed=0)
+    path = tmp_path / "config.json"
+    raw = json.loads(path.read_text())
+    raw.pop("norm_topk_prob"), raw.pop("partial_rotary_factor", None), raw["rope_parameters"].pop("partial_rotary_factor")
+    path.write_text(json.dumps(raw))
+    loaded = from_pretrained(folder, device="cpu", dtype=torch.float32, progress=False)
+    assert loaded.config.norm_topk_prob and loaded.config.partial_rotary_factor == 0.25
+    ours = ResidentRunner(loaded).step({0: PROMPTS[1]}, all_logits=True)
+    torch.testing.assert_close(ours, hf_logits(load_hf_reference(folder), PROMPTS[1]), atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("field, value, message", [
+    ("linear_num_value_heads", 3, "linear_num_value_heads 3 is not a multiple of linear_num_key_heads 2"),
+    ("num_key_value_heads", 3, "num_attention_heads 4 is not a multiple of num_key_value_heads 3"),
+    ("attn_output_gate", False, "attn_output_gate false: Rimuru runs a hybrid's full-attention layers gated only"),
+])  # fmt: skip
+def test_a_head_split_the_kernels_do_not_serve_is_refused_naming_the_field(tmp_path, field, value, message):
+    fabricate(tmp_path, arch="qwen3_next")
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert (raw["linear_num_key_heads"], raw["num_attention_heads"]) == (2, 4)  # the fabricated split the cases break
+    with pytest.raises(ValueError, match=f"^{message}"):
+        ModelConfig.from_hf(raw | {field: value})
+
+
 def test_the_composite_checkpoint_skips_what_the_text_model_does_not_run(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="rimuru"):
         from_pretrained(fabricate(tmp_path, arch="qwen3_5_moe"), progress=False)
