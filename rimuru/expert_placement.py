@@ -44,17 +44,23 @@ def check_budget(policy: str, count: int, store: ExpertStore, pool_bytes: int, b
                  outside_pool: int | None = None) -> None:  # fmt: skip
     """ValueError with the numbers when the pool cannot hold the loading buffers and the experts that must stay;
     with `outside_pool` (the budget less the pool) it names the smallest budget that starts."""
-    if policy == "resident":
-        return
     page = store.allocator.sizes.expert_page_bytes
     must_stay = len(store.layer_ids) * (store.num_experts - count) * PAGES_PER_EXPERT
     buffers = 2 * buffer_experts * PAGES_PER_EXPERT
     needed = (must_stay + buffers + 1) * page
-    if pool_bytes < needed:
-        smallest = "" if outside_pool is None else f" to at least {format_bytes(outside_pool + needed)}"
+    if pool_bytes >= needed:
+        return
+    smallest = "" if outside_pool is None else f" to at least {format_bytes(outside_pool + needed)}"
+    if policy == "resident":
         raise ValueError(
-            f"the pool of {pool_bytes / 2**30:.2f} GiB cannot hold two loading buffers of {buffer_experts} experts "
-            f"({buffers * page / 2**30:.2f} GiB) plus the {must_stay // PAGES_PER_EXPERT} experts that must stay "
-            f"resident ({must_stay * page / 2**30:.2f} GiB) and one page of KV: {needed / 2**30:.2f} GiB needed; "
-            f"raise gpu_memory_budget{smallest} or the offload count"
+            f"every expert resident needs a pool of {needed / 2**30:.2f} GiB ({must_stay // PAGES_PER_EXPERT} "
+            f"experts and one page of KV) but the budget leaves {pool_bytes / 2**30:.2f} GiB: "
+            f"{(needed - pool_bytes) / 2**30:.2f} GiB short; raise gpu_memory_budget{smallest} or use "
+            f"expert_policy='elastic'"
         )
+    raise ValueError(
+        f"the pool of {pool_bytes / 2**30:.2f} GiB cannot hold two loading buffers of {buffer_experts} experts "
+        f"({buffers * page / 2**30:.2f} GiB) plus the {must_stay // PAGES_PER_EXPERT} experts that must stay "
+        f"resident ({must_stay * page / 2**30:.2f} GiB) and one page of KV: {needed / 2**30:.2f} GiB needed; "
+        f"raise gpu_memory_budget{smallest} or the offload count"
+    )

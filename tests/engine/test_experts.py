@@ -264,9 +264,12 @@ def smallest_budget(refused: pytest.ExceptionInfo) -> str:
 
 
 def test_resident_refuses_a_budget_that_cannot_hold_the_experts(family):
+    """The refusal names the smallest budget that holds every expert, and that budget starts."""
     folder = family[0]
-    with pytest.raises(ValueError, match=r"resident experts need \d+ pages .* GiB short"):
+    with pytest.raises(ValueError, match=r"every expert resident needs a pool .* GiB short") as refused:
         LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=budget_for(folder, 0, 0) - 10 * 8192)
+    engine = LLM(folder, progress=False, expert_policy="resident", gpu_memory_budget=smallest_budget(refused)).engine
+    assert engine.experts.num_offloaded == 0
 
 
 def test_a_pool_too_small_for_max_model_len_lowers_it_or_refuses(family, caplog):
