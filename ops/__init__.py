@@ -141,22 +141,10 @@ def gated_delta_step(q, k, v, g, beta, ssm_view: torch.Tensor, state_ids: torch.
     return torch.ops.rimuru.gated_delta_step(q, k, v, g, beta, ssm_view, state_ids)
 
 
-def gated_delta_chunk(q, k, v, g, beta, ssm_view: torch.Tensor, state_id: int, continues: bool) -> torch.Tensor:
-    """The gated delta rule over one request's prompt chunk, carried through `ssm_view[state_id]`; see
-    `rimuru.ops.reference.gated_delta_chunk`."""
-    return torch.ops.rimuru.gated_delta_chunk(q, k, v, g, beta, ssm_view, state_id, continues)
-
-
 def causal_conv1d_step(x, conv_view: torch.Tensor, state_ids: torch.Tensor, weight, bias=None) -> torch.Tensor:
     """SiLU(causal depthwise conv) of each request's next input, its history shifted in place; see
     `rimuru.ops.reference.causal_conv1d_step`."""
     return torch.ops.rimuru.causal_conv1d_step(x, conv_view, state_ids, weight, bias)
-
-
-def causal_conv1d_chunk(x, conv_view: torch.Tensor, state_id: int, continues: bool, weight, bias=None) -> torch.Tensor:
-    """The causal conv over one request's chunk, its history carried in `conv_view[state_id]`; see
-    `rimuru.ops.reference.causal_conv1d_chunk`."""
-    return torch.ops.rimuru.causal_conv1d_chunk(x, conv_view, state_id, continues, weight, bias)
 
 
 def gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues) -> torch.Tensor:

@@ -60,15 +60,20 @@ def test_gated_delta_chunk_matches_hf_and_carries_the_state_across_calls(chunk_s
     assert torch.isnan(ssm_view[[0, 1, 3, 4]]).all()
 
 
-def test_gated_delta_chunk_then_steps_equals_hf_over_the_whole_sequence():
+def test_gated_delta_prefill_then_steps_equals_hf_over_the_whole_sequence():
     q, k, v, g, beta, _ = _delta_inputs(batch=1, tokens=9, seed=2)
     expected, _ = _hf_recurrent(q, k, v, g, beta, None)
     ssm_view = torch.zeros(PAGES, HV, DK, DV)
-    prefill = torch.ops.rimuru.gated_delta_chunk(q[0, :6], k[0, :6], v[0, :6], g[0, :6], beta[0, :6], ssm_view, 1,
-                                                 False)  # fmt: skip
+    prefill = torch.ops.rimuru.gated_delta_prefill(q[0, :6], k[0, :6], v[0, :6], g[0, :6], beta[0, :6], ssm_view,
+                                                   torch.tensor([1]), _starts(6), torch.tensor([False]))  # fmt: skip
     decode = [torch.ops.rimuru.gated_delta_step(q[:, t], k[:, t], v[:, t], g[:, t], beta[:, t], ssm_view,
                                                 torch.tensor([1])) for t in range(6, 9)]  # fmt: skip
     torch.testing.assert_close(torch.cat([prefill, *decode]), expected[0], rtol=1e-4, atol=1e-5)
+
+
+def _starts(num_tokens: int) -> torch.Tensor:
+    """`query_start_loc` of a packed batch of one request's chunk of `num_tokens`."""
+    return torch.tensor([0, num_tokens], dtype=torch.int32)
 
 
 def test_causal_conv1d_matches_hf_prefill_then_decode():
@@ -78,7 +83,8 @@ def test_causal_conv1d_matches_hf_prefill_then_decode():
     weight, bias = torch.randn(channels, width, generator=gen), torch.randn(channels, generator=gen)
     expected = hf.causal_conv1d_fn(x, weight, bias, activation="silu")  # [1, C, T]
     conv_view = torch.full((PAGES, channels, width - 1), float("nan"))
-    prefill = [torch.ops.rimuru.causal_conv1d_chunk(x[0, :, a:b].T, conv_view, 4, a > 0, weight, bias)
+    prefill = [torch.ops.rimuru.causal_conv1d_prefill(x[0, :, a:b].T, conv_view, torch.tensor([4]), _starts(b - a),
+                                                      torch.tensor([a > 0]), weight, bias)
                for a, b in [(0, 2), (2, 5)]]  # a chunk shorter than the kernel's history  # fmt: skip
     decode = [torch.ops.rimuru.causal_conv1d_step(x[0, :, t:t + 1].T, conv_view, torch.tensor([4]), weight, bias)
               for t in range(5, tokens)]  # fmt: skip
@@ -93,14 +99,10 @@ def test_opcheck_linear_attention_ops():
     ssm_view[[1, 3]] = state
     torch.library.opcheck(torch.ops.rimuru.gated_delta_step.default,
                           (q[:, 0], k[:, 0], v[:, 0], g[:, 0], beta[:, 0], ssm_view, torch.tensor([1, 3])))  # fmt: skip
-    torch.library.opcheck(torch.ops.rimuru.gated_delta_chunk.default,
-                          (q[0], k[0], v[0], g[0], beta[0], ssm_view, 2, True))  # fmt: skip
     conv_view = torch.randn(PAGES, 6, 3)
     weight, bias = torch.randn(6, 4), torch.randn(6)
     torch.library.opcheck(torch.ops.rimuru.causal_conv1d_step.default,
                           (torch.randn(2, 6), conv_view, torch.tensor([0, 2]), weight, bias))  # fmt: skip
-    torch.library.opcheck(torch.ops.rimuru.causal_conv1d_chunk.default,
-                          (torch.randn(5, 6), conv_view, 1, False, weight, None))  # fmt: skip
 
 
 def _linear_layer_step(x, conv_view, ssm_view, ids, weight, q, k, v, g, beta):
