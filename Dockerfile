@@ -53,7 +53,7 @@ RUN python3 -m venv /opt/rimuru \
 # The wheel is mounted from the builder, never copied into a layer.
 RUN --mount=type=bind,from=builder,source=/wheels,target=/wheels \
     set -- /wheels/rimuru-*.whl \
-    && pip install --no-cache-dir "rimuru[serve] @ file://$1" \
+    && pip install --no-cache-dir "rimuru[serve,linear-attention] @ file://$1" \
     && rimuru --help >/dev/null
 
 USER 1000:1000

@@ -57,6 +57,14 @@ def test_bases_and_torch_are_pinned():
     assert re.search(r"--mount=type=bind,from=builder,source=/wheels", runs), "the final stage installs the wheel"
 
 
+def test_the_image_installs_the_server_and_the_hybrid_models_prompt_kernels():
+    """A hybrid model's prompt chunks run the torch reference, request by request, where flash-linear-attention is
+    missing: the image serves on a GPU, so it takes that extra too."""
+    runs = " ".join(item.args for item in by_keyword("RUN"))
+    extras = re.search(r'"rimuru\[([\w,-]+)\] @ file://', runs).group(1).split(",")
+    assert {"serve", "linear-attention"} <= set(extras), extras
+
+
 def test_user_volumes_port():
     (user,) = by_keyword("USER")
     uid = user.args.split(":")[0]
