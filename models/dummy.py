@@ -6,10 +6,11 @@ Non-expert weights are generated on the target device; routed experts are genera
 Scales are chosen so that routing behaves like a trained model's, not like i.i.d. noise, where every token's hidden
 state collapses onto the same direction after a few layers and all tokens pick the same experts:
   * embeddings ~ N(0, 1), so token identity dominates the residual stream;
-  * matrices that write into the residual stream (`o_proj`, every down projection) ~ N(0, r / sqrt(2 L)) with
-    r = initializer_range (GPT-2's residual scaling), so the stream grows little over L layers;
+  * matrices that write into the residual stream (`o_proj`, a linear attention's `out_proj`, every down projection)
+    ~ N(0, r / sqrt(2 L)) with r = initializer_range (GPT-2's residual scaling), so the stream grows little over L
+    layers;
   * routers ~ N(0, 1 / sqrt(D)), so router logits have a standard deviation near 1;
-  * every other matrix and bias ~ N(0, r); norms = 1.
+  * every other matrix and bias ~ N(0, r); norms scale by 1 (a zero-centred norm's stored weight is 0).
 
 `router_skew` (s > 0) makes expert popularity Zipf-like, deterministically:
   * dimension 0 of the residual stream becomes a constant "sink": every embedding row holds `sqrt(D)` there (as
@@ -44,7 +45,7 @@ def fill_dummy_weights(weights: dict[str, torch.Tensor], config: ModelConfig, se
     gen = torch.Generator(device=next(iter(weights.values())).device).manual_seed(seed)
     for name, tensor in weights.items():
         if name.endswith("norm.weight"):
-            tensor.fill_(1.0)
+            tensor.fill_(_unit_norm_weight(name, config))
         else:
             tensor.normal_(0.0, _std(name, config), generator=gen)
 
@@ -54,9 +55,15 @@ def _std(name: str, config: ModelConfig) -> float:
         return 1.0
     if name.endswith("mlp.gate.weight"):
         return config.hidden_size**-0.5
-    if name.endswith(("o_proj.weight", "down_proj.weight")):
+    if name.endswith(("o_proj.weight", "down_proj.weight", "linear_attn.out_proj.weight")):
         return _residual_std(config)
     return config.initializer_range
+
+
+def _unit_norm_weight(name: str, config: ModelConfig) -> float:
+    """The weight that scales a norm's output by one: a hybrid's norms store theirs around zero (x̂ · (1 + w)), but
+    for the gated norm inside its linear attention (x̂ · w)."""
+    return 0.0 if config.linear_layer_ids and not name.endswith("linear_attn.norm.weight") else 1.0
 
 
 def _residual_std(config: ModelConfig) -> float:

@@ -159,6 +159,22 @@ def test_dummy_weights_are_deterministic_and_experts_on_host(tmp_path):
     assert torch.isfinite(ResidentRunner(a).step(PROMPTS)).all()
 
 
+def test_a_hybrids_dummy_norms_scale_by_one(tmp_path):
+    """A hybrid's norms store their weight around zero (x̂ · (1 + w)) but for its linear attention's gated norm
+    (x̂ · w): dummy weights make every one of them scale by one, as the other families' norms at 1 do."""
+    fabricate(tmp_path, arch="qwen3_next")
+    loaded = from_pretrained(tmp_path, load_format="dummy", dtype=torch.float32)
+    norms = {name: module for name, module in loaded.model.named_modules() if name.endswith("norm")}
+    gated = [module for name, module in norms.items() if name.endswith("linear_attn.norm")]
+    assert gated and len(gated) < len(norms)
+    for module in norms.values():
+        x = torch.randn(3, module.weight.shape[0])
+        scaled = module(x, torch.full_like(x, 50.0)) if module in gated else module(x)  # silu(50) = 50
+        factor = 50.0 if module in gated else 1.0
+        expected = factor * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + module.eps)
+        torch.testing.assert_close(scaled, expected, rtol=1e-4, atol=1e-4)
+
+
 def test_router_skew_concentrates_routing(tmp_path):
     """With skew 2 the favourite expert of a layer takes far more than its uniform share of top-1 picks."""
     json.dump(tiny_config("qwen3_moe") | {"num_experts": 16}, open(tmp_path / "config.json", "w"))
