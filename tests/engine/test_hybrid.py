@@ -1,5 +1,5 @@
-"""The hybrid models through the engine (Qwen3-Next, and Qwen3.5 from its composite checkpoint: Gated DeltaNet
-layers on each side of gated attention): greedy tokens equal Hugging Face's under every memory policy, across prompt
+"""The hybrid models through the engine (Qwen3-Next with one tensor an expert, and Qwen3.5 from its composite
+checkpoint with fused experts: Gated DeltaNet layers on each side of gated attention): greedy tokens equal Hugging Face's under every memory policy, across prompt
 chunks and through preemption, and each request's state pages are taken at admission and given back when it
 ends."""
 
@@ -16,13 +16,19 @@ from tests.engine.test_experts import GREEDY
 HF_CHECKPOINT = {}  # a fabricated checkpoint -> the one transformers reads for it (Qwen3.5's text model)
 
 
-@pytest.fixture(scope="module", params=["qwen3_next", "qwen3_5_moe"])
+# each family in the expert layout its published checkpoints use: one tensor an expert, and fused
+HYBRIDS = [("qwen3_next", "per_expert"), ("qwen3_5_moe", "fused")]
+
+
+@pytest.fixture(scope="module", params=HYBRIDS, ids=[arch for arch, _ in HYBRIDS])
 def hybrid(request, tmp_path_factory):
     """(checkpoint folder, prompts, Hugging Face's greedy outputs) of a tiny hybrid; for Qwen3.5's composite
     checkpoint, transformers' text model on the same weights."""
-    arch = request.param
-    folder = fabricate(tmp_path_factory.mktemp(arch), arch=arch)
-    reference = folder if arch != "qwen3_5_moe" else fabricate(tmp_path_factory.mktemp("text"), arch="qwen3_5_moe_text")
+    arch, layout = request.param
+    folder = fabricate(tmp_path_factory.mktemp(arch), arch=arch, expert_layout=layout)
+    reference = folder
+    if arch == "qwen3_5_moe":
+        reference = fabricate(tmp_path_factory.mktemp("text"), arch="qwen3_5_moe_text", expert_layout=layout)
     HF_CHECKPOINT[folder] = reference
     prompts = make_prompts(transformers.AutoConfig.from_pretrained(reference).vocab_size)
     return folder, prompts, hf_greedy(reference, prompts, MAX_TOKENS)
