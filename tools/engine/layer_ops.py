@@ -59,20 +59,25 @@ def top_level_ops(events) -> dict[str, list[str]]:
     return ops
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arch", default="qwen2_moe")
-    parser.add_argument("--dtype", default="bfloat16")
-    args = parser.parse_args()
-    folder = fabricate(tempfile.mkdtemp(), arch=args.arch, seed=0)
-    loaded = from_pretrained(folder, device="cpu", dtype=getattr(torch, args.dtype), progress=False)
+def decode_pass_ops(arch: str, dtype: torch.dtype) -> dict[str, list[str]]:
+    """scope -> the top-level ops of a decode step of four requests on a fabricated checkpoint of `arch`."""
+    with tempfile.TemporaryDirectory() as folder:
+        loaded = from_pretrained(fabricate(folder, arch=arch, seed=0), device="cpu", dtype=dtype, progress=False)
     runner = ResidentRunner(loaded, records_routing=False)  # no routing hook: every expert resident
     prompts = {0: [5, 77, 301, 12, 9], 1: [400, 3, 3, 250], 2: [42], 3: [11, 12]}
     runner.step(prompts)
     tag_layers(loaded.model)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        runner.step({row: [7] for row in prompts})  # a decode step of four requests
-    for scope, names in sorted(top_level_ops(prof.events()).items()):
+        runner.step({row: [7] for row in prompts})
+    return top_level_ops(prof.events())
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="qwen2_moe")
+    parser.add_argument("--dtype", default="bfloat16")
+    args = parser.parse_args()
+    for scope, names in sorted(decode_pass_ops(args.arch, getattr(torch, args.dtype)).items()):
         kinds = collections.Counter(map(kind, names))
         other = collections.Counter(name for name in names if kind(name) == "other")
         print(f"{scope}: {len(names)} ops: " + ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
