@@ -202,6 +202,8 @@ def _read_json(source: dict | str | os.PathLike) -> dict:
     path = os.fspath(source)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
+        if not os.path.isfile(path):
+            raise ValueError(f"checkpoint folder {os.fspath(source)!r} has no config.json")
     with open(path) as f:
         return json.load(f)
 

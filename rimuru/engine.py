@@ -80,6 +80,7 @@ class Engine:
                            config.page_tokens)  # fmt: skip
         self.config = config = replace(config, page_tokens=page_tokens)
         self.device = torch.device(config.device)
+        model_config.shard(config.tensor_parallel_size)  # a split the model cannot take: refused before any rank starts
         self.workers = self._start_tensor_parallel(config)  # ranks 1.. of tensor_parallel_size; this process is 0
         try:
             self._build(config, folder, model_config, requested_max_model_len)

@@ -100,10 +100,14 @@ def test_a_rank_that_dies_fails_the_next_step_in_one_line(family):
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe"], indirect=True)  # a failure path: one family says it
-def test_what_tensor_parallelism_cannot_do_yet_is_refused_in_one_line(family):
+def test_what_tensor_parallelism_cannot_do_yet_is_refused_in_one_line(family, monkeypatch):
     folder = family[0]
     with pytest.raises(ValueError, match="^tensor_parallel_size 2 reads host experts in place only"):
         LLM(folder, progress=False, expert_reads="copy", **TP)
+    with monkeypatch.context() as patched:  # refused before any rank starts (each would print its traceback)
+        patched.setattr("rimuru.engine.start_workers", lambda *args: pytest.fail("a rank was started"))
+        with pytest.raises(ValueError, match="^tensor_parallel_size 3 does not divide num_attention_heads"):
+            LLM(folder, progress=False, tensor_parallel_size=3)
     with pytest.raises(ValueError, match="^gpu_memory_budget"):  # refused after the other ranks started
         LLM(folder, progress=False, gpu_memory_budget="64KiB", **TP)
     LLM(folder, progress=False, **TP).close()  # which left no rank and no process group behind

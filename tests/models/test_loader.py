@@ -136,6 +136,11 @@ def test_a_tensor_of_the_wrong_shape_is_named_with_both_shapes(tmp_path):
         from_pretrained(folder, progress=False)
 
 
+def test_a_folder_without_a_config_is_refused_naming_it(tmp_path):
+    with pytest.raises(ValueError, match=f"^checkpoint folder '{tmp_path}' has no config.json$"):
+        ModelConfig.from_hf(tmp_path)
+
+
 def test_unsupported_architecture():
     with pytest.raises(ValueError, match="unsupported architecture 'llama'"):
         ModelConfig.from_hf(tiny_config() | {"model_type": "llama"})
