@@ -30,10 +30,26 @@ def source_commit() -> str | None:
     return os.environ.get("RIMURU_COMMIT") or None
 
 
+STREAM_FIELDS = {"id": str, "arrival": (int, float), "prompt_token_ids": list, "max_tokens": int}
+
+
 def read_stream(path: str, limit: int | None = None) -> list[dict]:
+    """The stream's requests by arrival (the first `limit` lines); ValueError naming the file and line of the first
+    request that is not JSON or lacks a field of the format, before any is run."""
     with open(path) as f:
-        requests = [json.loads(line) for line in f if line.strip()]
+        requests = [_stream_request(line, path, number) for number, line in enumerate(f, 1) if line.strip()]
     return sorted(requests[:limit] if limit else requests, key=lambda r: r["arrival"])
+
+
+def _stream_request(line: str, path: str, number: int) -> dict:
+    try:
+        request = json.loads(line)
+    except json.JSONDecodeError as error:
+        raise ValueError(f"{path} line {number}: not JSON ({error.msg})") from None
+    for field, kind in STREAM_FIELDS.items():
+        if not isinstance(request, dict) or not isinstance(request.get(field), kind):
+            raise ValueError(f"{path} line {number}: a request needs {field!r} ({', '.join(STREAM_FIELDS)})")
+    return request
 
 
 class _Clock:

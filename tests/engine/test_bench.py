@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from rimuru.benchmark import SERIES_ESTIMATES, source_commit
+from rimuru.benchmark import SERIES_ESTIMATES, read_stream, source_commit
 from rimuru.serving.cli import main
 from tests.engine.conftest import expect_no_growth
 from tests.engine.test_experts import budget_for
@@ -272,3 +272,17 @@ def test_the_wide_tile_space_adds_larger_tiles_at_large_m_only():
     assert {t["GROUP_M"] for t in tiles} == {0, 8} and max(t["num_stages"] for t in tiles) == 5
     assert len(tune_kernels.search_space(64)[1]) == 40
     assert tune_kernels.search_space(1, wide=True) == tune_kernels.search_space(1)
+
+
+@pytest.mark.parametrize("line, message", [
+    ("not json", "line 2: not JSON"),
+    ('{"id": "b", "arrival": 0, "prompt_token_ids": [1, 2]}', "line 2: a request needs 'max_tokens'"),
+    ('["id", "arrival"]', "line 2: a request needs 'id'"),
+])  # fmt: skip
+def test_a_stream_line_that_is_not_a_request_is_refused_naming_its_line(tmp_path, line, message):
+    path = tmp_path / "stream.jsonl"
+    path.write_text(json.dumps({"id": "a", "arrival": 0.5, "prompt_token_ids": [3], "max_tokens": 2}) + f"\n{line}\n")
+    with pytest.raises(ValueError, match=f"^{path} {message}"):
+        read_stream(str(path))
+    path.write_text(path.read_text().splitlines()[0] + "\n\n")  # blank lines pass
+    assert [r["id"] for r in read_stream(str(path))] == ["a"]
