@@ -17,14 +17,15 @@ HF_CHECKPOINT = {}  # a fabricated checkpoint -> the one transformers reads for 
 
 
 # each family in the expert layout its published checkpoints use: one tensor an expert, and fused
-HYBRIDS = [("qwen3_next", "per_expert"), ("qwen3_5_moe", "fused")]
+LAYOUTS = {"qwen3_next": "per_expert", "qwen3_5_moe": "fused"}
 
 
-@pytest.fixture(scope="module", params=HYBRIDS, ids=[arch for arch, _ in HYBRIDS])
+@pytest.fixture(scope="module", params=list(LAYOUTS))
 def hybrid(request, tmp_path_factory):
     """(checkpoint folder, prompts, Hugging Face's greedy outputs) of a tiny hybrid; for Qwen3.5's composite
     checkpoint, transformers' text model on the same weights."""
-    arch, layout = request.param
+    arch = request.param
+    layout = LAYOUTS[arch]
     folder = fabricate(tmp_path_factory.mktemp(arch), arch=arch, expert_layout=layout)
     reference = folder
     if arch == "qwen3_5_moe":
