@@ -32,7 +32,8 @@ class ForwardContext:
     # [T] bool, the padding rows of a CUDA graph's batch: they route like row 0, so they touch no expert a real
     # token does not. None: no padding.
     padding_rows: torch.Tensor | None = None
-    # Hybrid models: the pool seen as SSM pages [P, Hv, Dk, Dv] and conv pages [P, C, W - 1], each linear layer's
+    # Hybrid models: the pool seen as SSM pages [P, Hv, Dk, Dv] (or those bytes in the pool's dtype, which the ops
+    # read as the state's: `MemoryPool.ssm_view_in_pool_dtype`) and conv pages [P, C, W - 1], each linear layer's
     # state page per request ([L_linear, B], in `ModelConfig.linear_layer_ids` order), and whether a request's
     # state already holds earlier tokens ([B] bool; False: its first prompt chunk starts from zero). None: no
     # linear-attention layers.

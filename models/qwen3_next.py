@@ -136,22 +136,11 @@ class GatedDeltaNet(nn.Module):
             return ops.causal_conv1d_step(x, ctx.conv_view, ids, weight, None)
         return ops.causal_conv1d_prefill(x, ctx.conv_view, ids, ctx.query_start_loc, ctx.state_continues, weight, None)
 
-    def _delta_rule(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:
-        if ctx.ssm_view.dtype != ctx.kv_view.dtype:  # fixed at trace time: no branch in a compiled graph
-            return _delta_rule_uncompiled(q, k, v, g, beta, ctx, self.state_idx)
-        return _delta_rule(q, k, v, g, beta, ctx, self.state_idx)
-
-
-def _delta_rule(q, k, v, g, beta, ctx: ForwardContext, state_idx: int) -> torch.Tensor:  # [T, Hv, Dv]
-    ids = ctx.ssm_state_ids[state_idx]
-    if ctx.decode_only:
-        return ops.gated_delta_step(q, k, v, g, beta, ctx.ssm_view, ids)
-    return ops.gated_delta_prefill(q, k, v, g, beta, ctx.ssm_view, ids, ctx.query_start_loc, ctx.state_continues)
-
-
-# NOTE: state pages in another dtype than the pool's (fp32 beside bf16) alias its views in a way aot_autograd cannot
-# take as graph inputs that a pass writes: under torch.compile the delta rule then runs between two graphs
-_delta_rule_uncompiled = torch.compiler.disable(_delta_rule)
+    def _delta_rule(self, q, k, v, g, beta, ctx: ForwardContext) -> torch.Tensor:  # [T, Hv, Dv]
+        ids = ctx.ssm_state_ids[self.state_idx]
+        if ctx.decode_only:
+            return ops.gated_delta_step(q, k, v, g, beta, ctx.ssm_view, ids)
+        return ops.gated_delta_prefill(q, k, v, g, beta, ctx.ssm_view, ids, ctx.query_start_loc, ctx.state_continues)
 
 
 class Qwen35GatedDeltaNet(GatedDeltaNet):

@@ -18,11 +18,19 @@ import triton.language as tl
 
 from rimuru.ops import reference
 
+STATE_DTYPE = torch.float32  # the recurrent state's dtype (`models.config.STATE_DTYPES`)
+
+
+def state_pages(ssm_view: torch.Tensor) -> torch.Tensor:
+    """The SSM pages [P, Hv, Dk, Dv] in the state's dtype, from a view in it or in the pool's dtype
+    (`MemoryPool.ssm_view_in_pool_dtype`: what a compiled pass can hand over), reinterpreted here, inside the op."""
+    return ssm_view if ssm_view.dtype == STATE_DTYPE else ssm_view.view(STATE_DTYPE)
+
 
 @torch.library.custom_op("rimuru::gated_delta_step", mutates_args=("ssm_view",))
 def gated_delta_step(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      ssm_view: torch.Tensor, state_ids: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    return reference.gated_delta_step(q, k, v, g, beta, ssm_view, state_ids)
+    return reference.gated_delta_step(q, k, v, g, beta, state_pages(ssm_view), state_ids)
 
 
 @gated_delta_step.register_fake
@@ -40,7 +48,7 @@ def causal_conv1d_step(x: torch.Tensor, conv_view: torch.Tensor, state_ids: torc
 def gated_delta_prefill(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                         ssm_view: torch.Tensor, state_ids: torch.Tensor, query_start_loc: torch.Tensor,
                         continues: torch.Tensor) -> torch.Tensor:  # fmt: skip
-    return reference.gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
+    return reference.gated_delta_prefill(q, k, v, g, beta, state_pages(ssm_view), state_ids, query_start_loc, continues)
 
 
 @gated_delta_prefill.register_fake
@@ -170,7 +178,7 @@ def causal_conv1d_step_triton(x, conv_view, state_ids, weight, bias, block_c: in
 
 @gated_delta_step.register_kernel("cuda")
 def _gated_delta_step_cuda(q, k, v, g, beta, ssm_view, state_ids):
-    return gated_delta_step_triton(q, k, v, g, beta, ssm_view, state_ids)
+    return gated_delta_step_triton(q, k, v, g, beta, state_pages(ssm_view), state_ids)
 
 
 @causal_conv1d_step.register_kernel("cuda")
@@ -232,6 +240,7 @@ def causal_conv1d_prefill_gathered(x, conv_view, state_ids, query_start_loc, con
 
 @gated_delta_prefill.register_kernel("cuda")
 def _gated_delta_prefill_cuda(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues):
+    ssm_view = state_pages(ssm_view)
     # flash-linear-attention multiplies in TF32 at fp32: an fp32 model keeps the reference's exact products
     if _fla_chunk_gated_delta_rule() is None or q.dtype == torch.float32 or bool((state_ids < 0).any()):
         return reference.gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)

@@ -56,6 +56,16 @@ class MemoryPool:
         s = self.sizes
         return self.view(s.ssm_dtype or s.dtype, s.ssm_page_stride, s.ssm_page_shape)
 
+    def ssm_view_in_pool_dtype(self) -> torch.Tensor:
+        """[P, Hv, Dk, Dv * r]: the SSM pages in the pool's dtype (r of its elements to a state element), as the
+        linear-attention ops take them: torch.compile takes a view that a pass writes through only in its base's
+        dtype (the other views'), and the ops read it as the state's dtype inside (`rimuru.ops.linear_attention.state_pages`)."""
+        s = self.sizes
+        state_size, pool_size = (s.ssm_dtype or s.dtype).itemsize, s.dtype.itemsize
+        assert state_size % pool_size == 0, "a state element spans whole elements of the pool's dtype"
+        *outer, value_dim = s.ssm_page_shape
+        return self.view(s.dtype, s.ssm_page_stride, (*outer, value_dim * (state_size // pool_size)))
+
     def conv_view(self) -> torch.Tensor:
         """[P, C, W - 1]: one request's conv history of one linear-attention layer a page."""
         s = self.sizes

@@ -28,6 +28,19 @@ def test_the_ssm_page_is_sized_in_its_own_dtype_and_its_view_aliases_the_pool():
     assert (experts[:2] == 0).all() and (experts[4:] == 0).all()
 
 
+def test_the_ssm_pages_in_the_pools_dtype_are_the_same_bytes_the_ops_read_as_fp32():
+    from rimuru.ops.linear_attention import state_pages
+
+    pool = MemoryPool(hybrid_sizes(), 4 * 1024, device="cpu")
+    raw = pool.ssm_view_in_pool_dtype()
+    assert raw.dtype == torch.bfloat16 and raw.shape == (4, 2, 4, 64) and raw._base is pool.kv_view()._base
+    ssm = pool.ssm_view()
+    ssm.copy_(torch.randn(4, 2, 4, 32))
+    assert torch.equal(state_pages(raw), ssm) and state_pages(ssm) is ssm  # a view in the state's dtype as it is
+    state_pages(raw)[2].zero_()  # writes through the op's reading land in the pool
+    assert (pool.ssm_view()[2] == 0).all() and (pool.ssm_view()[3] != 0).all()
+
+
 def test_a_request_takes_every_layers_state_at_once_and_gives_it_back_whole():
     sizes = hybrid_sizes()
     allocator = PageAllocator(sizes, pool_bytes=8 * 1024)
