@@ -203,9 +203,11 @@ def gated_delta_prefill_fla(q, k, v, g, beta, ssm_view, state_ids, query_start_l
     # where: a new request's page holds whatever its last owner left, NaN included, which a product by 0 keeps
     initial = torch.where(continues[:, None, None, None], ssm_view[ids].float(), 0.0)  # [B, Hv, Dk, Dv]
     q, k, v, beta = (x.contiguous()[None] for x in (q, k, v, beta))  # [1, T, H, ...]: one packed sequence batch
+    # query_start_loc as it comes (fla loads it as int64): the same tensor in every layer of a pass, so fla's
+    # identity cache of its chunk indices reads the lengths on the host at the first linear layer only
     out, final = _fla_chunk_gated_delta_rule()(q, k, v, g.float().contiguous()[None], beta, initial_state=initial,
                                                output_final_state=True, use_qk_l2norm_in_kernel=True,
-                                               cu_seqlens=query_start_loc.long())  # fmt: skip
+                                               cu_seqlens=query_start_loc)  # fmt: skip
     ssm_view[ids] = final.to(ssm_view.dtype)
     return out[0].to(v.dtype)
 
@@ -241,8 +243,10 @@ def causal_conv1d_prefill_gathered(x, conv_view, state_ids, query_start_loc, con
 @gated_delta_prefill.register_kernel("cuda")
 def _gated_delta_prefill_cuda(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues):
     ssm_view = state_pages(ssm_view)
-    # flash-linear-attention multiplies in TF32 at fp32: an fp32 model keeps the reference's exact products
-    if _fla_chunk_gated_delta_rule() is None or q.dtype == torch.float32 or bool((state_ids < 0).any()):
+    # flash-linear-attention multiplies in TF32 at fp32: an fp32 model keeps the reference's exact products.
+    # NOTE: no padding rows (state id -1) reach a prompt step: only decode shapes of a hybrid are captured
+    # (`rimuru.graph_inputs`), and their linear layers take the step ops
+    if _fla_chunk_gated_delta_rule() is None or q.dtype == torch.float32:
         return reference.gated_delta_prefill(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
     return gated_delta_prefill_fla(q, k, v, g, beta, ssm_view, state_ids, query_start_loc, continues)
 

@@ -199,3 +199,24 @@ def test_a_prompt_cut_at_the_blocks_rounds_as_if_uncut():
                                             continues=a > 0) for a, b in parts]  # fmt: skip
         results.append((torch.cat(outs), ssm_view[1].clone()))
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_every_layer_hands_flash_linear_attention_the_same_sequence_starts(monkeypatch):
+    """fla caches its chunk indices by the identity of `cu_seqlens` (reading the lengths on the host costs a sync):
+    the packed prefill passes the pass's `query_start_loc` on as it is, so each linear layer after the first hits
+    that cache. A stand-in for fla's kernel records what it was given."""
+    from rimuru.ops import linear_attention
+
+    seen = []
+
+    def chunk_rule(q, k, v, g, beta, initial_state, cu_seqlens, **_):
+        seen.append(cu_seqlens)
+        return torch.zeros_like(v), initial_state
+
+    monkeypatch.setattr(linear_attention, "_fla_chunk_gated_delta_rule", lambda: chunk_rule)
+    q, k, v, g, beta, _ = (t[0] for t in _delta_inputs(batch=1, tokens=5))
+    starts, ids = torch.tensor([0, 2, 5], dtype=torch.int32), torch.tensor([1, 3])
+    ssm_view = torch.zeros(PAGES, HV, DK, DV)
+    for _ in range(2):  # two linear layers of one pass
+        linear_attention.gated_delta_prefill_fla(q, k, v, g, beta, ssm_view, ids, starts, torch.tensor([True, False]))
+    assert seen[0] is starts and seen[1] is starts
