@@ -295,11 +295,11 @@ def test_decode_attention_variants_bf16(flags, tile):
     assert rel_err(tri, ref) < 1e-2
 
 
-@pytest.mark.parametrize("num_requests", [1, 64])
-def test_linear_attention_decode_kernels_update_the_pages_in_place(num_requests):
+@pytest.mark.parametrize("num_requests, in_pool_dtype", [(1, False), (64, True)])
+def test_linear_attention_decode_kernels_update_the_pages_in_place(num_requests, in_pool_dtype):
     """Qwen3.5-35B's linear-attention geometry (16 key heads, 32 value heads of 128, conv of 8,192 channels), bf16
-    inputs and fp32 states at scattered pages, and one padding row after the requests: the Triton decode kernels
-    against the references."""
+    inputs and fp32 states at scattered pages (handed over as fp32, or as the engine does, in the bf16 pool's dtype),
+    and one padding row after the requests: the Triton decode kernels against the references."""
     gen = torch.Generator("cuda").manual_seed(num_requests)
     rows = num_requests + 1
     q, k = (torch.randn(2, rows, 16, 128, device="cuda", generator=gen)).bfloat16().unbind(0)
@@ -311,7 +311,7 @@ def test_linear_attention_decode_kernels_update_the_pages_in_place(num_requests)
     ids[-1] = -1
     ref_pages = pages.clone()
     ref = reference.gated_delta_step(q, k, v, g, beta, ref_pages, ids)
-    tri = ops.gated_delta_step(q, k, v, g, beta, pages, ids)
+    tri = ops.gated_delta_step(q, k, v, g, beta, pages.view(torch.bfloat16) if in_pool_dtype else pages, ids)
     assert rel_err(tri, ref) < 1e-2 and rel_err(pages, ref_pages) < 1e-5
     x = torch.randn(rows, 8192, device="cuda", generator=gen).bfloat16()
     weight = torch.randn(8192, 4, device="cuda", generator=gen).bfloat16()
@@ -325,8 +325,8 @@ def test_linear_attention_decode_kernels_update_the_pages_in_place(num_requests)
 @pytest.mark.parametrize("lengths", [[1, 40, 7], [300, 64]])
 def test_linear_attention_prefill_on_gpu_equals_the_chunks(lengths):
     """A packed batch of prompt chunks at Qwen3.5-35B's geometry: flash-linear-attention's delta rule (where it is
-    installed; else the reference on both sides) and the gathered conv against the references, states through
-    scattered pages."""
+    installed; else the reference on both sides) and the gathered conv against the references, fp32 states through
+    scattered pages handed over in the bf16 pool's dtype, as the engine does."""
     gen = torch.Generator("cuda").manual_seed(len(lengths))
     tokens, n = sum(lengths), len(lengths)
     q, k = torch.randn(2, tokens, 16, 128, device="cuda", generator=gen).bfloat16().unbind(0)
@@ -339,7 +339,7 @@ def test_linear_attention_prefill_on_gpu_equals_the_chunks(lengths):
     pages = torch.randn(2 * n, 32, 128, 128, device="cuda", generator=gen) * 0.1
     ref_pages = pages.clone()
     ref = reference.gated_delta_prefill(q, k, v, g, beta, ref_pages, ids, starts, continues)
-    out = ops.gated_delta_prefill(q, k, v, g, beta, pages, ids, starts, continues)
+    out = ops.gated_delta_prefill(q, k, v, g, beta, pages.view(torch.bfloat16), ids, starts, continues)
     assert rel_err(out, ref) < 2e-2 and rel_err(pages, ref_pages) < 2e-2
     x = torch.randn(tokens, 8192, device="cuda", generator=gen).bfloat16()
     weight = torch.randn(8192, 4, device="cuda", generator=gen).bfloat16()
