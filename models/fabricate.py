@@ -78,6 +78,10 @@ def composite_config(text: dict) -> dict:
 _NOT_TEXT = {"model.visual.patch_embed.proj.weight": (16, 3, 2, 2), "mtp.fc.weight": (64, 128)}
 
 
+# what `fabricate` writes: each served family, and Qwen3.5 also as its text model alone
+FABRICATED_ARCHITECTURES = ("qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe", "qwen3_5_moe_text")
+
+
 def fabricate(
     out_dir: str | os.PathLike,
     arch: str = "qwen2_moe",
@@ -99,6 +103,8 @@ def fabricate(
     beside it), "qwen3_5_moe_text" its text model alone. num_shards > 1
     writes `model-0000i-of-0000n.safetensors` and `model.safetensors.index.json`. Same seed, same bytes.
     """
+    if arch not in FABRICATED_ARCHITECTURES:
+        raise ValueError(f"arch must be one of {', '.join(FABRICATED_ARCHITECTURES)}, got {arch!r}")
     if expert_layout not in EXPERT_LAYOUTS:
         raise ValueError(f"expert_layout must be one of {EXPERT_LAYOUTS}, got {expert_layout!r}")
     os.makedirs(out_dir, exist_ok=True)

@@ -195,7 +195,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     fab = commands.add_parser("fabricate", help="write a tiny random Qwen MoE checkpoint with a tokenizer")
     fab.add_argument("out_dir")
-    fab.add_argument("--arch", choices=("qwen2_moe", "qwen3_moe"), default="qwen2_moe")
+    fab.add_argument("--arch", default="qwen2_moe",
+                     help="qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe (composite) or qwen3_5_moe_text")
     fab.add_argument("--seed", type=int, default=0)
     fab.add_argument("--num-layers", type=int, default=3)
     fab.add_argument("--mlp-only-layers", type=int, nargs="*", default=[])

@@ -24,6 +24,16 @@ def test_fabricate_then_generate(tmp_path, capsys):
 def test_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert main(["generate", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+    assert main(["fabricate", str(tmp_path / "x"), "--arch", "llama"]) == 2
+    assert capsys.readouterr().err.strip().endswith("qwen3_5_moe_text, got 'llama'")
+
+
+def test_a_hybrid_is_fabricated_and_generates(tmp_path, capsys):
+    folder = tmp_path / "hybrid"
+    assert main(["fabricate", str(folder), "--arch", "qwen3_5_moe", "--expert-layout", "fused"]) == 0
+    capsys.readouterr()
+    assert main(["generate", str(folder), "--prompt", "Once", "--max-tokens", "4"]) == 0
+    assert capsys.readouterr().out.startswith("Once")
 
 
 def test_serve_flags(capsys):
