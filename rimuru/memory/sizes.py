@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rimuru.config import DEFAULT_PAGE_TOKENS
+from rimuru.ops.linear_attention import STATE_DTYPE
 
 # An SSM page whose lcm with the expert page exceeds this many middle pages is padded instead (see _ssm_stride).
 _MAX_MIDDLE_PAGES_PER_HUGE = 16
@@ -161,12 +162,12 @@ def page_sizes_for_model(config, dtype: torch.dtype, page_tokens: int = DEFAULT_
     kv_shape = (2, page_tokens, config.num_key_value_heads, _head_dim(config))
     if not getattr(config, "linear_layer_ids", None):
         return page_sizes(expert_shape, kv_shape, dtype)
-    return page_sizes(expert_shape, kv_shape, dtype, *linear_state_shapes(config), ssm_dtype=torch.float32)
+    return page_sizes(expert_shape, kv_shape, dtype, *linear_state_shapes(config), ssm_dtype=STATE_DTYPE)
 
 
 def linear_state_shapes(config) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """A Gated DeltaNet layer's per-request state: the recurrent state [Hv, dk, dv] (an SSM page, fp32 as the delta
-    rule's kernels keep it) and the conv history [2 * Hk * dk + Hv * dv, kernel - 1] (a conv page)."""
+    """A Gated DeltaNet layer's per-request state: the recurrent state [Hv, dk, dv] (an SSM page, in the dtype the
+    delta rule's kernels keep it) and the conv history [2 * Hk * dk + Hv * dv, kernel - 1] (a conv page)."""
     hv, dk, dv = config.linear_num_value_heads, config.linear_key_head_dim, config.linear_value_head_dim
     channels = 2 * config.linear_num_key_heads * dk + hv * dv
     return (hv, dk, dv), (channels, config.linear_conv_kernel_dim - 1)
