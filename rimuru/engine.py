@@ -110,7 +110,7 @@ class Engine:
         self.kv_cache = KVCacheManager(self.allocator, len(self.model_config.attention_layer_ids), config.page_tokens,
                                        config.max_num_seqs, config.max_model_len, device_tables)  # fmt: skip
         linear_layers = len(self.model_config.linear_layer_ids)
-        state_views = (self.pool.ssm_view_in_pool_dtype(), self.pool.conv_view()) if linear_layers else None
+        state_views = self.pool.state_views() if linear_layers else None
         if self.workers and wants_graphs:
             self._start_worker_graphs(scratch_page)
         # tensor parallel graphs are only ever asked for, so a failed capture raises instead of leaving ranks waiting

@@ -161,7 +161,7 @@ class Worker:
         self.pool = MemoryPool(sizes, pool_bytes, device)
         self.kv_view, self.expert_view = self.pool.kv_view(), self.pool.expert_view()
         linear = bool(loaded.config.linear_layer_ids)  # a hybrid's state pages: (SSM view, conv view)
-        self.state_views = {"ssm_view": self.pool.ssm_view_in_pool_dtype(), "conv_view": self.pool.conv_view()} if linear else {}
+        self.state_views = dict(zip(("ssm_view", "conv_view"), self.pool.state_views())) if linear else {}
         self.host_experts = {layer: (w.gate, w.up, w.down) for layer, w in self.experts.items()}
         self.host_pages = HostPages(swap_views(self.pool, linear))  # this rank's halves of preempted requests' pages
         self.device = device

@@ -56,10 +56,15 @@ class MemoryPool:
         s = self.sizes
         return self.view(s.ssm_dtype or s.dtype, s.ssm_page_stride, s.ssm_page_shape)
 
+    def state_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(SSM pages, conv pages) as a hybrid model's linear-attention ops take them: the SSM pages in the pool's
+        dtype (`ssm_view_in_pool_dtype`)."""
+        return self.ssm_view_in_pool_dtype(), self.conv_view()
+
     def ssm_view_in_pool_dtype(self) -> torch.Tensor:
-        """[P, Hv, Dk, Dv * r]: the SSM pages in the pool's dtype (r of its elements to a state element), as the
-        linear-attention ops take them: torch.compile takes a view that a pass writes through only in its base's
-        dtype (the other views'), and the ops read it as the state's dtype inside (`rimuru.ops.linear_attention.state_pages`)."""
+        """[P, Hv, Dk, Dv * r]: the SSM pages in the pool's dtype (r of its elements to a state element).
+        torch.compile takes a view that a pass writes through only in its base's dtype (the other views'), so the
+        ops take this one and read it in the state's dtype inside (`rimuru.ops.linear_attention.state_pages`)."""
         s = self.sizes
         state_size, pool_size = (s.ssm_dtype or s.dtype).itemsize, s.dtype.itemsize
         assert state_size % pool_size == 0, "a state element spans whole elements of the pool's dtype"
